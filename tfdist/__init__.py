@@ -1,0 +1,19 @@
+"""tfdist: distributed training of Keras 3 models on TensorFlow.
+
+    import tfdist
+    result = tfdist.train(tfdist.RunConfig(...), model_fn=..., dataset_fn=...)
+"""
+
+from tfdist.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig,
+                           StrategyConfig, TrainConfig)
+from tfdist.errors import ConfigError, UsageError
+
+
+def train(config, **kwargs):
+    """See `tfdist.api.train` (imported lazily: TensorFlow loads on first use)."""
+    from tfdist.api import train as _train
+    return _train(config, **kwargs)
+
+
+__all__ = ["ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig",
+           "StrategyConfig", "TrainConfig", "UsageError", "train"]

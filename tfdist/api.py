@@ -1,0 +1,144 @@
+"""The Python API: `tfdist.train(config, model_fn=..., dataset_fn=...)`.
+
+The CLI (`tfdist-train`) is a thin layer over this: flags -> RunConfig ->
+`train`. Start-up order matters and is fixed here: the engine is created
+before any other TensorFlow op (MultiWorkerMirroredStrategy requires it,
+and virtual CPU devices must be set before the runtime starts), then data is
+prepared, then the model and optimizer are built in the engine's scope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Optional
+
+import keras
+from absl import logging
+
+from tfdist import models, strategies
+from tfdist.checkpointing import Checkpointer, checkpoint_dir
+from tfdist.config import RunConfig
+from tfdist.data import tfds_inputs
+from tfdist.data.function_inputs import DatasetFn, FunctionInputs
+from tfdist.data.spec import DatasetSpec
+from tfdist.errors import UsageError
+from tfdist.training import optimizers
+from tfdist.training.trainer import Trainer
+
+
+@dataclasses.dataclass
+class RunResult:
+    summary: dict          # the run summary (also printed and written as summary.json)
+    model: keras.Model     # the trained model
+
+
+def check_model_dir(model_dir: Optional[str]) -> None:
+    """Fail early, before any training, if `model_dir` cannot be written."""
+    if not model_dir:
+        return
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+        probe = os.path.join(model_dir, f".tfdist-write-probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise UsageError(f"--model_dir={model_dir} is not a writable directory: "
+                         f"{error.strerror or error}") from None
+
+
+def check_batch(config: RunConfig, replicas: int) -> None:
+    """The global batch must split evenly into replicas x micro-batches."""
+    tc = config.train
+    parts = replicas * tc.accum_steps
+    if tc.global_batch_size % parts:
+        raise UsageError(
+            f"--global_batch_size={tc.global_batch_size} must be divisible by replicas "
+            f"({replicas}) x --accum_steps ({tc.accum_steps}) = {parts}; "
+            f"e.g. {max(parts, tc.global_batch_size // parts * parts)}")
+
+
+def write_summary(model_dir: str, summary: dict) -> None:
+    """Write `summary.json` atomically (never a half-written file)."""
+    path = os.path.join(model_dir, "summary.json")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras.Model]] = None,
+          dataset_fn: Optional[DatasetFn] = None,
+          spec: Optional[DatasetSpec] = None) -> RunResult:
+    """Train under `config.strategy`; return the run summary and the model.
+
+    model_fn: builds a Keras 3 model from the dataset's `DatasetSpec`
+      (default: the registered builder `config.model.name`).
+    dataset_fn: `dataset_fn(split, input_context)` returning unbatched (x, y)
+      examples of "train" or "test" for one input pipeline (default: the TFDS
+      dataset `config.data.dataset`). `spec` describes it if the model needs it.
+    """
+    strategies.check_name(config.strategy.name)
+    if model_fn is None:
+        models.check_name(config.model.name)
+    strategy = strategies.create(config.strategy)
+    strategy.setup()
+    try:
+        return _train(config, strategy, model_fn, dataset_fn, spec)
+    finally:
+        strategy.close()
+
+
+def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
+    tc = config.train
+    check_batch(config, strategy.num_replicas)
+    if strategy.is_chief:
+        check_model_dir(tc.model_dir)
+    inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
+    if tc.epochs and not inputs.spec.train_examples:
+        raise UsageError(f"--epochs={tc.epochs} needs a dataset of known size; "
+                         "set --train_steps instead")
+
+    keras.utils.set_random_seed(tc.seed)
+    with strategy.scope():
+        model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+        optimizer = optimizers.create(config.optimizer)
+        optimizer.build(model.trainable_variables)
+    strategy.broadcast_variables(model.variables + optimizer.variables)
+
+    checkpointer_factory = None
+    if tc.model_dir:
+        def checkpointer_factory(**trackables):
+            return Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
+                                is_chief=strategy.is_chief, **trackables)
+
+    trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,
+                      inputs=inputs, checkpointer_factory=checkpointer_factory)
+    if strategy.is_chief:
+        logging.info("%s | model %s (%d parameters) | dataset %s | global batch %d = %d "
+                     "replica(s) x %d%s | %d steps", strategy.describe(), model.name,
+                     model.count_params(), inputs.spec.name, tc.global_batch_size,
+                     strategy.num_replicas, tc.global_batch_size // strategy.num_replicas,
+                     f" ({tc.accum_steps} micro-batches)" if tc.accum_steps > 1 else "",
+                     trainer.total_steps)
+    metrics = trainer.fit()
+    summary = {
+        "strategy": strategy.name,
+        "replicas": strategy.num_replicas,
+        "workers": strategy.num_workers,
+        "global_batch_size": tc.global_batch_size,
+        "model": model.name,
+        "dataset": inputs.spec.name,
+        "steps": metrics["steps"],
+        "loss": metrics.get("loss"),
+        "train_accuracy": metrics.get("accuracy"),
+        "accuracy": metrics.get("test_accuracy"),
+        "test_loss": metrics.get("test_loss"),
+        "examples_per_sec": metrics.get("examples_per_sec"),
+    }
+    if strategy.is_chief and tc.model_dir:
+        write_summary(tc.model_dir, summary)
+    return RunResult(summary=summary, model=model)

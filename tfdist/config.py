@@ -1,0 +1,139 @@
+"""Run configuration: frozen dataclasses, validated on construction.
+
+This module knows nothing about absl flags or TensorFlow state, so the Python
+API (`tfdist.train(RunConfig(...))`) and the CLI share one source of truth.
+Every check here quotes the bad value and says what would be valid; the app
+turns `ConfigError` into a one-line message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from tfdist.errors import ConfigError
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+
+
+def _positive(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _non_negative(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+    """Which engine runs the replicas and how it is set up."""
+
+    name: str = "mirrored"
+    # Split the CPU into this many logical devices when no GPU is present, so
+    # multi-device code runs for real on a CPU-only host. None: leave as is.
+    virtual_devices: Optional[int] = None
+
+    def __post_init__(self):
+        _positive("virtual_devices", self.virtual_devices, allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which registered model builder to use, and its size knobs."""
+
+    name: str = "cnn"
+    width: int = 32          # hidden units (mlp), base channels (cnn), model dim (transformer)
+    depth: int = 2           # hidden layers (mlp), residual blocks per stage (cnn), blocks (transformer)
+    num_heads: int = 4       # transformer attention heads
+
+    def __post_init__(self):
+        _positive("width", self.width)
+        _positive("depth", self.depth)
+        _positive("num_heads", self.num_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where examples come from."""
+
+    dataset: str = "tfdist_shapes"
+    data_dir: Optional[str] = None   # None: TFDS default (~/tensorflow_datasets or $TFDS_DATA_DIR)
+    synthetic: bool = False          # random tensors of the dataset's shapes, for benchmarking
+    shuffle_buffer: int = 10_000
+
+    def __post_init__(self):
+        if not self.dataset:
+            raise ConfigError("dataset='' must name a TFDS dataset, e.g. tfdist_shapes")
+        _positive("shuffle_buffer", self.shuffle_buffer)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adam"
+    learning_rate: float = 1e-3
+    momentum: float = 0.9            # used by `momentum`
+    weight_decay: float = 1e-4       # used by `adamw`
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(
+                f"optimizer={self.name!r} is not known; valid: {', '.join(OPTIMIZERS)}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate={self.learning_rate!r} must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The outer loop: how long, how often to evaluate, log and checkpoint."""
+
+    global_batch_size: int = 128
+    train_steps: Optional[int] = None   # exactly one of train_steps / epochs
+    epochs: Optional[int] = None
+    steps_per_loop: int = 50            # steps run inside one tf.function call
+    accum_steps: int = 1                # micro-batches per update (gradient accumulation)
+    eval_every: int = 0                 # steps between evaluations; 0: only at the end
+    log_every: int = 0                  # steps between log lines; 0: every loop
+    checkpoint_every: int = 0           # steps between checkpoints; 0: only at the end
+    keep_checkpoints: int = 3
+    model_dir: Optional[str] = None     # None: no checkpoints, no summary file
+    seed: int = 42
+
+    def __post_init__(self):
+        _positive("global_batch_size", self.global_batch_size)
+        if (self.train_steps is None) == (self.epochs is None):
+            raise ConfigError(
+                f"train_steps={self.train_steps!r}, epochs={self.epochs!r}: "
+                "set exactly one of them")
+        _positive("train_steps", self.train_steps, allow_none=True)
+        _positive("epochs", self.epochs, allow_none=True)
+        _positive("steps_per_loop", self.steps_per_loop)
+        _positive("accum_steps", self.accum_steps)
+        _non_negative("eval_every", self.eval_every)
+        _non_negative("log_every", self.log_every)
+        _non_negative("checkpoint_every", self.checkpoint_every)
+        _positive("keep_checkpoints", self.keep_checkpoints)
+        _non_negative("seed", self.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run needs."""
+
+    strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(
+        default_factory=lambda: TrainConfig(train_steps=1000))
+
+    def replace(self, **parts) -> "RunConfig":
+        """Copy with some parts swapped, e.g. `cfg.replace(train=...)`."""
+        return dataclasses.replace(self, **parts)

@@ -1,0 +1,1 @@
+"""Input data for tfdist: bundled TFDS datasets and their pipelines."""

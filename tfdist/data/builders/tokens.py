@@ -1,0 +1,90 @@
+"""`tfdist_tokens`: next-token prediction over recurrence sequences, offline.
+
+Each sequence picks one rule (a, b, c) from the fixed family `RULES`, starts
+from two random tokens and continues
+
+    x[t+1] = (a * x[t] + b * x[t-1] + c) mod VOCAB_SIZE.
+
+`inputs` is the first 64 tokens and `targets` the same sequence shifted by
+one. Only the first target is pure chance. The rule is never given: a model
+has to infer it from the transitions earlier in the sequence, so the last two
+tokens alone do not determine the next one and attention over the prefix
+pays off. Some rules are plain counters and are learned within an epoch; the
+ones that mix both previous tokens take longer, so the loss keeps falling.
+
+Sequences come from generators seeded by split; two preparations therefore
+write identical data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+VOCAB_SIZE = 64
+SEQUENCE_LENGTH = 64
+NUM_SHARDS = 4  # files per split; downstream input pipelines shard by file
+# (a, b, c): a + b odd and c odd, so no rule can settle on a constant token.
+RULES = (
+    (1, 0, 1),
+    (1, 0, 63),
+    (1, 0, 5),
+    (0, 1, 3),
+    (5, 0, 3),
+    (1, 4, 1),
+    (3, 2, 1),
+    (2, 3, 5),
+)
+
+_SPLIT_SIZES = {"train": 20_000, "test": 2_000}
+_SPLIT_SEEDS = {"train": 0, "test": 1}  # distinct streams
+
+
+def generate_sequences(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Returns int32 (n, SEQUENCE_LENGTH + 1) sequences, one random rule each."""
+    a, b, c = np.asarray(RULES)[rng.integers(len(RULES), size=n)].T
+    seq = np.empty((n, SEQUENCE_LENGTH + 1), dtype=np.int64)
+    seq[:, :2] = rng.integers(VOCAB_SIZE, size=(n, 2))
+    for t in range(1, SEQUENCE_LENGTH):
+        seq[:, t + 1] = (a * seq[:, t] + b * seq[:, t - 1] + c) % VOCAB_SIZE
+    return seq.astype(np.int32)
+
+
+class TfdistTokens(tfds.core.GeneratorBasedBuilder):
+    """Next-token prediction on in-context recurrences, generated offline."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    VOCAB_SIZE = VOCAB_SIZE
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        sequence = tfds.features.Tensor(shape=(SEQUENCE_LENGTH,), dtype=np.int32)
+        return self.dataset_info_from_configs(
+            description=__doc__,
+            features=tfds.features.FeaturesDict(
+                {"inputs": sequence, "targets": sequence}
+            ),
+            supervised_keys=("inputs", "targets"),
+            metadata=tfds.core.MetadataDict(vocab_size=VOCAB_SIZE),
+        )
+
+    def download_and_prepare(self, *, download_config=None, **kwargs) -> None:
+        """As the base method, but writes `NUM_SHARDS` files per split.
+
+        TFDS sizes shards at 64 MiB or more, which would put each split of
+        this small dataset in one file. A caller's explicit
+        `DownloadConfig(num_shards=...)` still wins.
+        """
+        config = download_config or tfds.download.DownloadConfig()
+        if config.num_shards is None:
+            config = config.replace(num_shards=NUM_SHARDS)
+        super().download_and_prepare(download_config=config, **kwargs)
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # nothing to download
+        return {split: self._generate_examples(split) for split in _SPLIT_SIZES}
+
+    def _generate_examples(self, split: str):
+        rng = np.random.default_rng(_SPLIT_SEEDS[split])
+        for index, seq in enumerate(generate_sequences(rng, _SPLIT_SIZES[split])):
+            yield index, {"inputs": seq[:-1], "targets": seq[1:]}

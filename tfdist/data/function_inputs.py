@@ -1,0 +1,50 @@
+"""Inputs from a user's own function (the Python API's `dataset_fn`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from tfdist.data.inputs import Inputs
+from tfdist.data.spec import DatasetSpec
+
+DatasetFn = Callable[[str, tf.distribute.InputContext], tf.data.Dataset]
+
+
+def shard(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
+    """This pipeline's share of `dataset`, by example (a helper for `dataset_fn`s)."""
+    if context.num_input_pipelines == 1:
+        return dataset
+    return dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
+
+
+def _infer_spec(dataset: tf.data.Dataset) -> DatasetSpec:
+    x_spec, _ = dataset.element_spec
+    tokens = x_spec.dtype.is_integer and x_spec.shape.rank == 1
+    return DatasetSpec(name="custom", kind="tokens" if tokens else "image",
+                       input_shape=tuple(x_spec.shape), num_classes=0)
+
+
+class FunctionInputs(Inputs):
+    """Wraps `dataset_fn(split, input_context) -> unbatched (x, y) dataset`.
+
+    The function returns the examples of `split` ("train" or "test") that the
+    given input pipeline should read (use `shard` when there are several).
+    tfdist shuffles, repeats, batches and pads them like any other source.
+    """
+
+    def __init__(self, dataset_fn: DatasetFn, spec: Optional[DatasetSpec] = None):
+        self._fn = dataset_fn
+        self.spec = spec or _infer_spec(dataset_fn("train", tf.distribute.InputContext()))
+
+    def examples(self, split, context, *, shuffle_seed=None):
+        return self._fn(split, context)
+
+    def split_size(self, split, num_pipelines, pipeline_id):
+        context = tf.distribute.InputContext(num_pipelines, pipeline_id, num_pipelines)
+        ds = self._fn(split, context)
+        size = int(ds.cardinality())
+        if size < 0:  # unknown: count once (evaluation sets are small)
+            size = int(ds.reduce(tf.constant(0, tf.int64), lambda n, *_: n + 1))
+        return size

@@ -1,0 +1,84 @@
+"""Input sources and the batching that turns them into per-replica pipelines.
+
+An `Inputs` yields the unbatched, preprocessed (x, y) examples one input
+pipeline reads from a split. The functions below wrap it into what
+`Strategy.distribute_dataset` wants: a function of `tf.distribute.InputContext`
+that returns batches of the per-replica size. Training data repeats forever
+(every worker runs the same number of steps however the data divides, so no
+collective waits on a worker that ran out); evaluation data is padded with
+zero-weight examples to the same number of full batches on every pipeline, so
+metrics are exact and no replica ever sees a short batch.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import tensorflow as tf
+
+from tfdist.data.spec import DatasetSpec
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+class Inputs(abc.ABC):
+    """A source of supervised examples, sharded per input pipeline."""
+
+    spec: DatasetSpec
+    has_eval = True
+
+    @abc.abstractmethod
+    def examples(self, split: str, context: tf.distribute.InputContext, *,
+                 shuffle_seed=None) -> tf.data.Dataset:
+        """Unbatched, preprocessed (x, y) examples this pipeline reads from `split`."""
+
+    @abc.abstractmethod
+    def split_size(self, split: str, num_pipelines: int, pipeline_id: int) -> int:
+        """Examples pipeline `pipeline_id` of `num_pipelines` reads from `split`."""
+
+    def train_batches(self, context, batch_size: int, seed: int, shuffle_buffer: int):
+        """Infinite, shuffled batches of `batch_size` for training."""
+        ds = self.examples("train", context, shuffle_seed=seed)
+        ds = ds.shuffle(shuffle_buffer, seed=seed + context.input_pipeline_id,
+                        reshuffle_each_iteration=True)
+        return ds.repeat().batch(batch_size, drop_remainder=True)
+
+
+def train_dataset_fn(inputs: Inputs, *, global_batch_size: int, seed: int,
+                     shuffle_buffer: int):
+    """`dataset_fn(input_context)` for training."""
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        batch = context.get_per_replica_batch_size(global_batch_size)
+        ds = inputs.train_batches(context, batch, seed, shuffle_buffer)
+        return ds.prefetch(AUTOTUNE)
+
+    return dataset_fn
+
+
+def eval_steps(inputs: Inputs, *, global_batch_size: int, num_pipelines: int) -> int:
+    """Steps that cover the largest pipeline's share of the test split."""
+    per_pipeline_batch = global_batch_size // num_pipelines
+    largest = max(inputs.split_size("test", num_pipelines, i) for i in range(num_pipelines))
+    return max(1, math.ceil(largest / per_pipeline_batch))
+
+
+def eval_dataset_fn(inputs: Inputs, *, global_batch_size: int, steps: int,
+                    replicas_per_pipeline: int):
+    """`dataset_fn(input_context)` for evaluation: (x, y, weight) batches.
+
+    Each pipeline yields exactly `steps * replicas_per_pipeline` full batches:
+    its real examples with weight 1, then zero-weight padding.
+    """
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        batch = context.get_per_replica_batch_size(global_batch_size)
+        real = inputs.examples("test", context).map(lambda x, y: (x, y, 1.0))
+        x_spec, y_spec, _ = real.element_spec
+        padding = tf.data.Dataset.from_tensors(
+            (tf.zeros(x_spec.shape, x_spec.dtype), tf.zeros(y_spec.shape, y_spec.dtype), 0.0))
+        ds = real.concatenate(padding.repeat()).batch(batch, drop_remainder=True)
+        return ds.take(steps * replicas_per_pipeline).prefetch(AUTOTUNE)
+
+    return dataset_fn

@@ -1,0 +1,27 @@
+"""What a model builder needs to know about a dataset."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """Shapes and sizes of one supervised dataset, independent of batching.
+
+    `kind` is "image" for (H, W, C) float inputs with one label per example,
+    "tokens" for (T,) integer inputs with one target token per position.
+    """
+
+    name: str
+    kind: str
+    input_shape: tuple
+    num_classes: int
+    train_examples: Optional[int] = None
+    eval_examples: Optional[int] = None
+
+    @property
+    def targets_per_example(self) -> int:
+        """Predictions per example (accuracy is counted over these)."""
+        return self.input_shape[0] if self.kind == "tokens" else 1

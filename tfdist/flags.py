@@ -1,0 +1,109 @@
+"""The only module that defines or reads absl flags: flags -> `RunConfig`.
+
+Defaults are the main job (`make demo`): the bundled image dataset, the cnn
+builder, `mirrored` over 2 virtual CPU devices. Canned runs are flagfiles in
+`configs/` (`--flagfile=configs/NAME.cfg`); flags after it override it.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from tfdist import config as config_lib
+from tfdist.errors import UsageError
+
+# Registry names are listed in help text but checked after parsing (by the
+# registries themselves), so the flags module never imports TensorFlow.
+_STRATEGY = flags.DEFINE_string(
+    "strategy", "mirrored",
+    "Scale-out engine: default (one device), mirrored (all local devices).")
+_VIRTUAL_DEVICES = flags.DEFINE_integer(
+    "virtual_devices", 2,
+    "On a host without GPUs, split the CPU into this many logical devices so "
+    "multi-device strategies run for real; 0 leaves the devices as they are.", lower_bound=0)
+
+_MODEL = flags.DEFINE_string("model", "cnn", "Model builder: mlp, cnn, transformer.")
+_MODEL_WIDTH = flags.DEFINE_integer(
+    "model_width", 32, "Hidden units (mlp), base channels (cnn), model dim (transformer).", lower_bound=1)
+_MODEL_DEPTH = flags.DEFINE_integer(
+    "model_depth", 2, "Hidden layers (mlp), residual blocks per stage (cnn), blocks (transformer).", lower_bound=1)
+_NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads (transformer).", lower_bound=1)
+
+_DATASET = flags.DEFINE_string(
+    "dataset", "tfdist_shapes",
+    "TFDS dataset name: the bundled tfdist_shapes (images) or tfdist_tokens "
+    "(token sequences), prepared offline on first use, or any TFDS dataset "
+    "prepared in --data_dir.")
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets).")
+_SYNTHETIC = flags.DEFINE_boolean(
+    "synthetic", False, "Feed random tensors of the dataset's shapes (benchmarking; no eval).")
+_SHUFFLE_BUFFER = flags.DEFINE_integer("shuffle_buffer", 10_000, "Examples in the shuffle buffer.", lower_bound=1)
+
+_GLOBAL_BATCH_SIZE = flags.DEFINE_integer(
+    "global_batch_size", 128, "Examples per update over all replicas (split evenly between them).", lower_bound=1)
+_TRAIN_STEPS = flags.DEFINE_integer(
+    "train_steps", None, "Updates to train for (the final global step). Default: 600 if "
+    "--epochs is unset.", lower_bound=1)
+_EPOCHS = flags.DEFINE_integer("epochs", None, "Epochs to train for (instead of --train_steps).", lower_bound=1)
+_STEPS_PER_LOOP = flags.DEFINE_integer(
+    "steps_per_loop", 100, "Steps run inside one tf.function call between host syncs.", lower_bound=1)
+_ACCUM_STEPS = flags.DEFINE_integer(
+    "accum_steps", 1, "Micro-batches per update (gradient accumulation); gradients are reduced "
+    "across replicas once per update.", lower_bound=1)
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", 0, "Evaluate on the test split every N steps (0: only at the end).", lower_bound=0)
+_LOG_EVERY = flags.DEFINE_integer(
+    "log_every", 0, "Log a progress line every N steps (0: after every loop).", lower_bound=0)
+
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer", "adam", list(config_lib.OPTIMIZERS), "Optimizer.")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Learning rate.", lower_bound=0.0)
+_MOMENTUM = flags.DEFINE_float("momentum", 0.9, "Momentum (optimizer=momentum).")
+_WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 1e-4, "Weight decay (optimizer=adamw).")
+
+_MODEL_DIR = flags.DEFINE_string(
+    "model_dir", None, "Directory for checkpoints and summary.json; a run resumes from its "
+    "latest checkpoint. Default: none (nothing written).")
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", 0, "Save a checkpoint every N steps (0: only at the end).", lower_bound=0)
+_KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.", lower_bound=1)
+_SEED = flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and synthetic data.", lower_bound=0)
+
+_DEFAULT_TRAIN_STEPS = 600
+
+
+@flags.multi_flags_validator(
+    ["train_steps", "epochs"], message="--train_steps and --epochs: set only one of them")
+def _one_length(values) -> bool:
+    return values["train_steps"] is None or values["epochs"] is None
+
+
+def run_config() -> config_lib.RunConfig:
+    """The `RunConfig` the parsed flags describe. Raises `UsageError`."""
+    train_steps = _TRAIN_STEPS.value
+    if train_steps is None and _EPOCHS.value is None:
+        train_steps = _DEFAULT_TRAIN_STEPS
+    try:
+        return config_lib.RunConfig(
+            strategy=config_lib.StrategyConfig(
+                name=_STRATEGY.value, virtual_devices=_VIRTUAL_DEVICES.value or None),
+            model=config_lib.ModelConfig(
+                name=_MODEL.value, width=_MODEL_WIDTH.value, depth=_MODEL_DEPTH.value,
+                num_heads=_NUM_HEADS.value),
+            data=config_lib.DataConfig(
+                dataset=_DATASET.value, data_dir=_DATA_DIR.value, synthetic=_SYNTHETIC.value,
+                shuffle_buffer=_SHUFFLE_BUFFER.value),
+            optimizer=config_lib.OptimizerConfig(
+                name=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
+                momentum=_MOMENTUM.value, weight_decay=_WEIGHT_DECAY.value),
+            train=config_lib.TrainConfig(
+                global_batch_size=_GLOBAL_BATCH_SIZE.value, train_steps=train_steps,
+                epochs=_EPOCHS.value, steps_per_loop=_STEPS_PER_LOOP.value,
+                accum_steps=_ACCUM_STEPS.value, eval_every=_EVAL_EVERY.value,
+                log_every=_LOG_EVERY.value, checkpoint_every=_CHECKPOINT_EVERY.value,
+                keep_checkpoints=_KEEP_CHECKPOINTS.value, model_dir=_MODEL_DIR.value,
+                seed=_SEED.value),
+        )
+    except config_lib.ConfigError as error:  # a rule flags alone cannot express
+        raise UsageError(str(error)) from None

@@ -1,0 +1,55 @@
+"""Model builder registry: name -> `build(model_config, spec) -> keras.Model`.
+
+Builders are created inside the strategy's scope by the caller. Every model
+ends in a float32 logits layer (mixed precision keeps the output and the
+loss in float32).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import keras
+
+from tfdist.config import ModelConfig
+from tfdist.data.spec import DatasetSpec
+from tfdist.errors import UsageError
+
+_REGISTRY = {
+    "mlp": "tfdist.models.mlp",
+    "cnn": "tfdist.models.cnn",
+    "transformer": "tfdist.models.transformer",
+}
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def check_name(name: str) -> None:
+    if name not in _REGISTRY:
+        raise UsageError(f"--model={name!r} is not a registered model; valid: {', '.join(names())}")
+
+
+def _module(name: str):
+    check_name(name)
+    return importlib.import_module(_REGISTRY[name])
+
+
+def check_compatible(config: ModelConfig, spec: DatasetSpec) -> None:
+    """Raise `UsageError` if builder `config.name` cannot train on `spec`."""
+    kinds = _module(config.name).DATA_KINDS
+    if spec.kind not in kinds:
+        raise UsageError(
+            f"--model={config.name} needs a dataset of kind {'/'.join(kinds)}, but "
+            f"--dataset={spec.name} is {spec.kind} data; pick a matching model or dataset "
+            "(image: tfdist_shapes with mlp or cnn; tokens: tfdist_tokens with transformer)")
+
+
+def build(config: ModelConfig, spec: DatasetSpec) -> keras.Model:
+    check_compatible(config, spec)
+    return _module(config.name).build(config, spec)
+
+
+ModelFn = Callable[[DatasetSpec], keras.Model]

@@ -1,0 +1,1 @@
+"""Observability: progress, logs and the run summary."""

@@ -1,0 +1,40 @@
+"""Progress: a bar on a terminal, plain log lines otherwise (CI, files, pipes)."""
+
+from __future__ import annotations
+
+import sys
+
+from absl import logging
+
+# Shown as their latest value, not averaged over the run.
+_METRICS = ("loss", "accuracy", "examples_per_sec", "test_loss", "test_accuracy")
+
+
+def _format(metrics: dict) -> str:
+    parts = []
+    for key, value in metrics.items():
+        parts.append(f"{key}={value:.1f}" if key == "examples_per_sec" else f"{key}={value:.4f}")
+    return " ".join(parts)
+
+
+class Progress:
+    """Reports training progress from the chief only."""
+
+    def __init__(self, total_steps: int, *, start: int = 0, enabled: bool = True):
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self._bar = None
+        if enabled and sys.stdout.isatty():
+            import keras
+            self._bar = keras.utils.Progbar(total_steps, unit_name="step", stateful_metrics=_METRICS)
+            self._bar.update(start)
+
+    def update(self, step: int, metrics: dict, *, log: bool = True) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(step, values=[(k, v) for k, v in metrics.items()], finalize=False)
+            if step >= self.total_steps:
+                sys.stdout.write("\n")
+        elif log:
+            logging.info("step %d/%d %s", step, self.total_steps, _format(metrics))

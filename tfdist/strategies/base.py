@@ -1,0 +1,110 @@
+"""The strategy adapter interface the trainer talks to.
+
+An adapter owns everything specific to one scale-out engine: creating it,
+the variable scope, turning a dataset function into per-replica batches,
+running a replica step, the cross-replica sum, broadcasting initial state,
+and who is chief. The trainer only calls these hooks, so adding an engine is
+one file plus one registry line (see `tfdist/strategies/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, Callable, Sequence
+
+from tfdist.config import StrategyConfig
+
+
+class Strategy(abc.ABC):
+    """Base class of every strategy adapter.
+
+    Lifecycle: `__init__` only stores the config; `setup()` creates the
+    engine and must run before any other TensorFlow op (MultiWorkerMirrored
+    requires that; virtual CPU devices must be configured before the runtime
+    starts), then everything else may be called.
+    """
+
+    name: str = ""
+
+    def __init__(self, config: StrategyConfig):
+        self.config = config
+        # Counts cross-replica reductions traced into step functions; tests use
+        # it to prove one reduction per update (accumulation must not add more).
+        self.reductions_traced = 0
+
+    # -- lifecycle ---------------------------------------------------------
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """Create the engine. Raises `UsageError` for bad user input."""
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Context in which models, optimizers and state variables are made."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Release engine resources (idempotent)."""
+
+    # -- topology ----------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def num_replicas(self) -> int:
+        """Replicas across all workers; the global batch is split over them."""
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    @property
+    def worker_index(self) -> int:
+        return 0
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """Input pipelines the data is sharded over (one per worker process)."""
+        return self.num_workers
+
+    @property
+    def is_chief(self) -> bool:
+        """Only the chief writes checkpoints, summaries and the run summary."""
+        return self.worker_index == 0
+
+    def describe(self) -> str:
+        """One line naming the engine and its devices, for the start-up log."""
+        return f"{self.name}: {self.num_replicas} replica(s)"
+
+    # -- data --------------------------------------------------------------
+    @abc.abstractmethod
+    def distribute_dataset(self, dataset_fn: Callable) -> Any:
+        """Per-replica batches from `dataset_fn(input_context) -> tf.data.Dataset`.
+
+        `dataset_fn` returns this input pipeline's dataset already batched by
+        the per-replica batch size (`input_context.get_per_replica_batch_size`).
+        """
+
+    # -- stepping ----------------------------------------------------------
+    @abc.abstractmethod
+    def run(self, replica_fn: Callable, batch) -> Any:
+        """Run `replica_fn(batch)` on every replica; return replica 0's result.
+
+        Called inside a `tf.function`. The replica function reduces whatever
+        must agree across replicas with `all_reduce_sum`, so after it returns
+        every replica holds the same values and replica 0's copy is taken.
+        """
+
+    @abc.abstractmethod
+    def _all_reduce_sum(self, tensors: Sequence) -> list:
+        """Engine-specific cross-replica sum of a list of tensors."""
+
+    def all_reduce_sum(self, tensors: Sequence) -> list:
+        """Sum `tensors` over all replicas (called in replica context).
+
+        One call is one collective (the engines pack the list); the trainer
+        makes exactly one per update for gradients and metrics together.
+        """
+        self.reductions_traced += 1
+        return self._all_reduce_sum(list(tensors))
+
+    def broadcast_variables(self, variables) -> None:
+        """Make every replica start from the chief's values (no-op where the
+        engine already mirrors variables)."""

@@ -1,0 +1,199 @@
+"""The custom training loop, shaped like Orbit.
+
+The trainer owns the outer loop (how many steps per call, evaluation,
+checkpoints, logs); each inner `tf.function` call runs `steps_per_loop`
+replica steps in-graph. One replica step computes gradients over
+`accum_steps` micro-batches, then makes exactly one cross-replica sum, of the
+gradients and the step's metric counters together, and applies the update.
+Everything engine-specific goes through the strategy adapter's hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfdist.checkpointing import Checkpointer
+from tfdist.data import inputs as inputs_lib
+from tfdist.observe.progress import Progress
+from tfdist.strategies.base import Strategy
+
+# Metric counters summed across replicas: loss sum over examples, correct
+# predictions, predictions made, examples seen (weighted in evaluation).
+_LOSS, _CORRECT, _PREDICTIONS, _EXAMPLES = range(4)
+
+
+def _per_example_loss(y, logits):
+    loss = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+    # Token models predict one target per position: average over positions.
+    return tf.reduce_mean(loss, axis=range(1, loss.shape.rank)) if loss.shape.rank > 1 else loss
+
+
+def _counters(y, logits, per_example_loss, weights):
+    correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y), tf.float32)
+    per_example_correct = tf.reduce_sum(tf.reshape(correct, (tf.shape(correct)[0], -1)), axis=1)
+    predictions_per_example = tf.cast(tf.size(correct) // tf.shape(correct)[0], tf.float32)
+    return tf.stack([
+        tf.reduce_sum(per_example_loss * weights),
+        tf.reduce_sum(per_example_correct * weights),
+        tf.reduce_sum(weights) * predictions_per_example,
+        tf.reduce_sum(weights),
+    ])
+
+
+class Trainer:
+    """Trains `model` on `inputs` under `strategy`; see `fit()`."""
+
+    def __init__(self, *, config, strategy: Strategy, model: keras.Model,
+                 optimizer: keras.optimizers.Optimizer, inputs: inputs_lib.Inputs,
+                 checkpointer_factory=None):
+        self.config = config
+        self.train_config = config.train
+        self.strategy = strategy
+        self.model = model
+        self.optimizer = optimizer
+        self.inputs = inputs
+        tc = self.train_config
+        self.global_batch_size = tc.global_batch_size
+        self.total_steps = tc.train_steps or tc.epochs * self.steps_per_epoch()
+        with strategy.scope():
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
+                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self.checkpointer: Optional[Checkpointer] = None
+        if checkpointer_factory is not None:
+            self.checkpointer = checkpointer_factory(
+                model=model, optimizer=optimizer, step=self.step)
+        self._train_loop = tf.function(self._train_loop_fn)
+        self._eval_loop = tf.function(self._eval_loop_fn)
+
+    def steps_per_epoch(self) -> int:
+        examples = self.inputs.spec.train_examples
+        if not examples:
+            raise ValueError("epochs need a dataset of known size; set train_steps instead")
+        return max(1, examples // self.global_batch_size)
+
+    # -- replica steps (run on every replica inside tf.function) -----------
+    def _micro_batch_gradients(self, x, y):
+        variables = self.model.trainable_variables
+        with tf.GradientTape() as tape:
+            logits = self.model(x, training=True)
+            per_example = _per_example_loss(y, logits)
+            # Scale by the *global* batch, so summing over replicas and
+            # micro-batches gives the gradient of the global mean loss.
+            loss = tf.reduce_sum(per_example) / self.global_batch_size
+            if self.model.losses:
+                regularization = tf.add_n(self.model.losses)
+                loss += regularization / (self.strategy.num_replicas * self.train_config.accum_steps)
+        grads = tape.gradient(loss, variables)
+        return grads, _counters(y, logits, per_example, tf.ones_like(per_example))
+
+    def _replica_train_step(self, batch):
+        x, y = batch
+        k = self.train_config.accum_steps
+        if k == 1:
+            grads, counters = self._micro_batch_gradients(x, y)
+        else:
+            # Sum gradients of k micro-batches locally; reduce once afterwards.
+            xs, ys = tf.split(x, k), tf.split(y, k)
+            grads, counters = self._micro_batch_gradients(xs[0], ys[0])
+            for i in range(1, k):
+                more, more_counters = self._micro_batch_gradients(xs[i], ys[i])
+                grads = [g + m for g, m in zip(grads, more)]
+                counters += more_counters
+        reduced = self.strategy.all_reduce_sum(list(grads) + [counters])
+        grads, counters = reduced[:-1], reduced[-1]
+        self.optimizer.apply(grads, self.model.trainable_variables)
+        return counters
+
+    def _replica_eval_step(self, batch):
+        x, y, weights = batch
+        logits = self.model(x, training=False)
+        counters = _counters(y, logits, _per_example_loss(y, logits), weights)
+        return self.strategy.all_reduce_sum([counters])[0]
+
+    # -- in-graph loops ------------------------------------------------------
+    def _train_loop_fn(self, iterator, num_steps):
+        totals = tf.zeros([4])
+        for _ in tf.range(num_steps):
+            totals += self.strategy.run(self._replica_train_step, next(iterator))
+        return totals
+
+    def _eval_loop_fn(self, iterator, num_steps):
+        totals = tf.zeros([4])
+        for _ in tf.range(num_steps):
+            totals += self.strategy.run(self._replica_eval_step, next(iterator))
+        return totals
+
+    # -- outer loop ----------------------------------------------------------
+    def _make_data(self):
+        tc, strategy = self.train_config, self.strategy
+        train = strategy.distribute_dataset(inputs_lib.train_dataset_fn(
+            self.inputs, global_batch_size=self.global_batch_size, seed=tc.seed,
+            shuffle_buffer=self.config.data.shuffle_buffer))
+        self._eval_data = None
+        if self.inputs.has_eval:
+            pipelines = strategy.num_input_pipelines
+            self.eval_steps = inputs_lib.eval_steps(
+                self.inputs, global_batch_size=self.global_batch_size, num_pipelines=pipelines)
+            self._eval_data = strategy.distribute_dataset(inputs_lib.eval_dataset_fn(
+                self.inputs, global_batch_size=self.global_batch_size, steps=self.eval_steps,
+                replicas_per_pipeline=strategy.num_replicas // pipelines))
+        return iter(train)
+
+    def evaluate(self) -> dict:
+        """Loss and accuracy over the whole test split (exact, padding excluded)."""
+        if self._eval_data is None:
+            return {}
+        totals = self._eval_loop(iter(self._eval_data), tf.constant(self.eval_steps)).numpy()
+        return {"test_loss": float(totals[_LOSS] / totals[_EXAMPLES]),
+                "test_accuracy": float(totals[_CORRECT] / totals[_PREDICTIONS])}
+
+    def _next_stop(self, step: int) -> int:
+        """The next step at which the outer loop must regain control."""
+        tc = self.train_config
+        stop = min(self.total_steps, step + tc.steps_per_loop)
+        for every in (tc.eval_every, tc.checkpoint_every, tc.log_every):
+            if every:
+                stop = min(stop, (step // every + 1) * every)
+        return stop
+
+    def fit(self) -> dict:
+        """Train to `total_steps` (resuming from the latest checkpoint); return metrics."""
+        tc = self.train_config
+        if self.checkpointer:
+            self.checkpointer.restore_latest()
+        step = int(self.step.numpy())
+        iterator = self._make_data()
+        progress = Progress(self.total_steps, start=step, enabled=self.strategy.is_chief)
+        timed_examples, timed_seconds, first_loop = 0, 0.0, True
+        train_metrics, eval_metrics = {}, {}
+        while step < self.total_steps:
+            stop = self._next_stop(step)
+            started = time.perf_counter()
+            totals = self._train_loop(iterator, tf.constant(stop - step)).numpy()
+            seconds = time.perf_counter() - started
+            self.step.assign(stop)
+            examples = (stop - step) * self.global_batch_size
+            if not first_loop:  # the first call traces and compiles the graph
+                timed_examples, timed_seconds = timed_examples + examples, timed_seconds + seconds
+            first_loop, step = False, stop
+            train_metrics = {"loss": float(totals[_LOSS] / totals[_EXAMPLES]),
+                             "accuracy": float(totals[_CORRECT] / totals[_PREDICTIONS]),
+                             "examples_per_sec": examples / seconds}
+            if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
+                eval_metrics = self.evaluate()
+            if self.checkpointer and ((tc.checkpoint_every and step % tc.checkpoint_every == 0)
+                                      or step == self.total_steps):
+                self.checkpointer.save(step)
+            progress.update(step, {**train_metrics, **eval_metrics},
+                            log=not tc.log_every or step % tc.log_every == 0
+                            or step == self.total_steps)
+        if not eval_metrics and self.inputs.has_eval:
+            eval_metrics = self.evaluate()  # resumed at the final step: still report accuracy
+        if timed_seconds:
+            train_metrics["examples_per_sec"] = timed_examples / timed_seconds
+        return {"steps": step, **train_metrics, **eval_metrics}
