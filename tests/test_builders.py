@@ -69,6 +69,13 @@ def test_several_files_per_split(prepared, name):
         assert all((builder.data_path / f).exists() for f in files)
 
 
+def test_callers_shard_count_wins(tmp_path):
+    builder = tfds.builder("tfdist_tokens", data_dir=str(tmp_path))
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(num_shards=2))
+    assert builder.info.splits["train"].num_shards == 2
+
+
 @pytest.mark.parametrize("name", builders.BUNDLED)
 def test_preparation_is_deterministic(prepared, name, tmp_path):
     data_dir = prepared(name)

@@ -32,6 +32,7 @@ from tfdist.training.trainer import Trainer
 class RunResult:
     summary: dict          # the run summary (also printed and written as summary.json)
     model: keras.Model     # the trained model
+    optimizer: keras.optimizers.Optimizer
 
 
 def check_model_dir(model_dir: Optional[str]) -> None:
@@ -141,4 +142,4 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
     }
     if strategy.is_chief and tc.model_dir:
         write_summary(tc.model_dir, summary)
-    return RunResult(summary=summary, model=model)
+    return RunResult(summary=summary, model=model, optimizer=optimizer)

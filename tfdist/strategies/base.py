@@ -84,8 +84,8 @@ class Strategy(abc.ABC):
 
     # -- stepping ----------------------------------------------------------
     @abc.abstractmethod
-    def run(self, replica_fn: Callable, batch) -> Any:
-        """Run `replica_fn(batch)` on every replica; return replica 0's result.
+    def run(self, replica_fn: Callable, *args) -> Any:
+        """Run `replica_fn(*args)` on every replica; return replica 0's result.
 
         Called inside a `tf.function`. The replica function reduces whatever
         must agree across replicas with `all_reduce_sum`, so after it returns

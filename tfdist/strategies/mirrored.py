@@ -18,4 +18,12 @@ class MirroredStrategy(TFDistributeStrategy):
 
     def _create(self):
         devices = cluster.local_devices(self.config.virtual_devices)
-        return tf.distribute.MirroredStrategy(devices=devices)
+        cross_device_ops = None  # TensorFlow's choice (NCCL) for GPUs
+        if "GPU" not in devices[0].upper():
+            # On logical CPUs TF picks collective ops, whose keys restart at the
+            # same values in every MirroredStrategy: a second strategy in one
+            # process (two runs from the Python API) then collides with the
+            # first's cached collectives. Reducing on one device has no keys, and
+            # costs nothing extra between logical CPUs that share memory.
+            cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+        return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)

@@ -41,8 +41,8 @@ class TFDistributeStrategy(Strategy):
     def distribute_dataset(self, dataset_fn):
         return self._strategy.distribute_datasets_from_function(dataset_fn)
 
-    def run(self, replica_fn, batch):
-        per_replica = self._strategy.run(replica_fn, args=(batch,))
+    def run(self, replica_fn, *args):
+        per_replica = self._strategy.run(replica_fn, args=args)
         return tf.nest.map_structure(
             lambda v: self._strategy.experimental_local_results(v)[0], per_replica)
 

@@ -109,6 +109,23 @@ class Trainer:
         self.optimizer.apply(grads, self.model.trainable_variables)
         return counters
 
+    def _replica_sync_state(self):
+        """Average non-trainable float state (BatchNorm moving statistics).
+
+        Keras 3 creates these with aggregation "none", so under tf.distribute
+        each replica keeps its own moving averages of its own batches. They
+        are averaged once per loop, before anything reads them (evaluation,
+        checkpoints); as they are exponential moving averages, which are
+        linear, this equals averaging every update.
+        """
+        state = [v for v in self.model.non_trainable_variables if "float" in v.dtype]
+        if not state:
+            return tf.constant(0.0)
+        summed = self.strategy.all_reduce_sum([v.value for v in state])
+        for variable, total in zip(state, summed):
+            variable.assign(total / self.strategy.num_replicas)
+        return tf.constant(0.0)
+
     def _replica_eval_step(self, batch):
         x, y, weights = batch
         logits = self.model(x, training=False)
@@ -120,6 +137,8 @@ class Trainer:
         totals = tf.zeros([4])
         for _ in tf.range(num_steps):
             totals += self.strategy.run(self._replica_train_step, next(iterator))
+        if self.strategy.num_replicas > 1:
+            self.strategy.run(self._replica_sync_state)
         return totals
 
     def _eval_loop_fn(self, iterator, num_steps):
@@ -129,10 +148,14 @@ class Trainer:
         return totals
 
     # -- outer loop ----------------------------------------------------------
-    def _make_data(self):
+    def _make_data(self, start_step: int):
         tc, strategy = self.train_config, self.strategy
+        # The input position is not checkpointed (it would store the shuffle
+        # buffer); a resumed run instead draws a fresh, seeded permutation so
+        # it does not replay the batches the first steps already saw.
+        seed = tc.seed + 7919 * start_step
         train = strategy.distribute_dataset(inputs_lib.train_dataset_fn(
-            self.inputs, global_batch_size=self.global_batch_size, seed=tc.seed,
+            self.inputs, global_batch_size=self.global_batch_size, seed=seed,
             shuffle_buffer=self.config.data.shuffle_buffer))
         self._eval_data = None
         if self.inputs.has_eval:
@@ -167,7 +190,7 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.restore_latest()
         step = int(self.step.numpy())
-        iterator = self._make_data()
+        iterator = self._make_data(step)
         progress = Progress(self.total_steps, start=step, enabled=self.strategy.is_chief)
         timed_examples, timed_seconds, first_loop = 0, 0.0, True
         train_metrics, eval_metrics = {}, {}

@@ -3,9 +3,9 @@
 Every image shows one figure at a random position and size, in a random
 foreground colour on a random background colour (dark-on-light or
 light-on-dark), plus Gaussian pixel noise. Position, scale, colour and
-polarity all vary, so raw pixels are a weak cue and the class lives in the
-figure's form: a small CNN separates the classes almost perfectly while a
-pixel-level linear model or MLP only gets part of the way.
+polarity all vary, so no single pixel says much and the class lives in the
+figure's form. A four-layer CNN of 70k parameters passes 99% test accuracy
+within two epochs; an MLP on raw pixels reaches roughly 80-90% in fifteen.
 
 Images are drawn with numpy, a chunk at a time, from generators seeded by
 (split, chunk); two preparations therefore write identical data.

@@ -9,8 +9,10 @@ from two random tokens and continues
 one. Only the first target is pure chance. The rule is never given: a model
 has to infer it from the transitions earlier in the sequence, so the last two
 tokens alone do not determine the next one and attention over the prefix
-pays off. Some rules are plain counters and are learned within an epoch; the
-ones that mix both previous tokens take longer, so the loss keeps falling.
+pays off. A count table over (x[t-1], x[t]) gets about 79% of test targets
+right; the best guess from the whole prefix, about 97%. A two-layer causal
+transformer (width 64, 110k parameters) reaches about 74% test accuracy after
+one epoch and 94% after fifteen.
 
 Sequences come from generators seeded by split; two preparations therefore
 write identical data.

@@ -1,0 +1,40 @@
+"""Small deterministic data and models for in-process tests."""
+
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+from tfdist.data.function_inputs import shard
+from tfdist.data.spec import DatasetSpec
+
+IMAGE_SPEC = DatasetSpec(name="random_images", kind="image", input_shape=(8, 8, 3),
+                         num_classes=5, train_examples=512, eval_examples=96)
+
+
+def image_dataset_fn(split, context):
+    """Fixed random images and labels; the same stream under every strategy."""
+    rng = np.random.default_rng(0 if split == "train" else 1)
+    n = IMAGE_SPEC.train_examples if split == "train" else IMAGE_SPEC.eval_examples
+    x = rng.normal(size=(n, *IMAGE_SPEC.input_shape)).astype(np.float32)
+    y = rng.integers(IMAGE_SPEC.num_classes, size=n).astype(np.int32)
+    return shard(tf.data.Dataset.from_tensor_slices((x, y)), context)
+
+
+def run_config(strategy="default", *, optimizer="sgd", learning_rate=0.05, steps=5,
+               batch=32, model="mlp", accum_steps=1, model_dir=None, steps_per_loop=None,
+               checkpoint_every=0, width=16, depth=1, **train):
+    return tfdist.RunConfig(
+        strategy=tfdist.StrategyConfig(name=strategy, virtual_devices=2),
+        model=tfdist.ModelConfig(name=model, width=width, depth=depth),
+        optimizer=tfdist.OptimizerConfig(name=optimizer, learning_rate=learning_rate),
+        train=tfdist.TrainConfig(global_batch_size=batch, train_steps=steps,
+                                 steps_per_loop=steps_per_loop or steps, accum_steps=accum_steps,
+                                 model_dir=model_dir, checkpoint_every=checkpoint_every,
+                                 **train),
+    )
+
+
+def assert_weights_close(a, b, rtol=1e-5, atol=1e-7):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=f"weight {i}")

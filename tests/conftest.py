@@ -1,0 +1,38 @@
+"""Shared test set-up.
+
+Virtual CPU devices must exist before TensorFlow's runtime starts, so the
+whole in-process suite runs on 2 logical CPUs configured here, first.
+"""
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfdist import cluster  # noqa: E402
+
+cluster.configure_virtual_cpus(2)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """One TFDS data_dir for the session: bundled datasets are prepared once."""
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def run_cli(args, *, timeout=300, env=None, cwd=REPO):
+    """Run `tfdist-train ARGS` in a fresh process; return CompletedProcess."""
+    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    return subprocess.run([os.path.join(BIN, "tfdist-train"), *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: starts real processes (slower)")
