@@ -51,6 +51,7 @@ RUNTIME_DEPS=("cloudpickle==3.1.3" "psutil==7.2.2" "PyYAML==6.0.3")
 BUILD_DEPS=("setuptools==80.9.0" "wheel==0.45.1")
 # The exact CMake line we delete. Matched as a whole line: if a future sdist
 # changes it, the patch step fails loudly instead of silently doing nothing.
+# shellcheck disable=SC2016  # literal CMake text, ${...} must not expand
 XLA_CMAKE_LINE='list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")'
 
 log()  { printf '[build_horovod] %s\n' "$*"; }
@@ -184,11 +185,14 @@ for mod in ("cloudpickle", "psutil", "yaml", "packaging"):
 if missing:
     fail("runtime deps missing: " + " ".join(missing))
 print(f"horovod {horovod.__version__} built for TF {built_tf} "
-      f"(gloo={hvd.gloo_built()} mpi={hvd.mpi_built()} nccl={hvd.nccl_built()})")
+      f"(gloo={bool(hvd.gloo_built())} mpi={bool(hvd.mpi_built())} nccl={bool(hvd.nccl_built())})")
 EOF
 }
 
 # horovodrun --check-build must list TensorFlow and each wanted backend as [X].
+# (Its "[X] PyTorch" line is a known false positive in 0.28.1: horovod.torch
+# swallows the missing-library error, so PyTorch shows as built even though we
+# build without it and torch is not installed. We therefore never test it.)
 verify_check_build() {
     local out
     out="$(horovodrun --check-build 2>&1)" || { printf '%s\n' "$out"; die "horovodrun --check-build failed"; }
@@ -199,7 +203,7 @@ verify_check_build() {
     ((want_nccl)) && need+=("NCCL")
     local n
     for n in "${need[@]}"; do
-        grep -Eq "\[X\] $n\$" <<<"$out" || die "horovodrun --check-build does not report $n as built"
+        grep -Eq "\[X\] ${n}[[:space:]]*\$" <<<"$out" || die "horovodrun --check-build does not report $n as built"
     done
 }
 
@@ -257,13 +261,16 @@ log "horovod needs installing in $VENV_DIR: ${reason:-rebuild requested}"
 # version (TF has no stable C++ ABI, so any TF upgrade needs a rebuild), the
 # Python tag and, via the wheel's file name, the platform. A non-default build
 # config (GPU/MPI/arch flags...) adds a short hash so it gets its own wheel.
-read -r TF_VERSION PY_TAG PLAT < <("$PY" - <<'EOF'
+# (TF's import-time log spam goes to stderr, which is dropped here; the error
+# message says how to see it.)
+key_info="$("$PY" - 2>/dev/null <<'EOF'
 import sys, sysconfig
 import tensorflow as tf
 print(tf.__version__, f"cp{sys.version_info[0]}{sys.version_info[1]}",
       sysconfig.get_platform().replace("-", "_").replace(".", "_"))
 EOF
-) || die "cannot import tensorflow with $PY (install the project's requirements first)"
+)" || die "cannot import tensorflow with $PY (run: $PY -c 'import tensorflow'; install the project's requirements first)"
+read -r TF_VERSION PY_TAG PLAT <<<"$key_info"
 KEY="horovod-${HOROVOD_VERSION}-tf${TF_VERSION}-${PY_TAG}"
 if [[ "$CONFIG" != "$DEFAULT_CONFIG" ]]; then
     KEY+="-cfg$(printf '%s\n' "$CONFIG" | sha256sum | cut -c1-8)"
@@ -327,6 +334,15 @@ else
 fi
 command -v "${CXX:-g++}" >/dev/null 2>&1 || report_missing "C++17 compiler (${CXX:-g++})" g++
 command -v make >/dev/null 2>&1 || report_missing "make" make
+# Opt-in GPU-cluster features: catch the obvious gaps here rather than 2
+# minutes into CMake. (NCCL itself is found via HOROVOD_NCCL_HOME, or the
+# CUDA/system paths; CMake reports it if missing.)
+if ((want_mpi)) && ! command -v mpicxx >/dev/null 2>&1; then
+    report_missing "MPI (mpicxx, for HOROVOD_WITH_MPI=1)" "libopenmpi-dev openmpi-bin"
+fi
+if ((want_nccl)) && [[ -z "${HOROVOD_CUDA_HOME:-}" ]] && ! command -v nvcc >/dev/null 2>&1; then
+    report_missing "CUDA toolkit (nvcc; or set HOROVOD_CUDA_HOME)" "nvidia-cuda-toolkit (non-free) / NVIDIA's CUDA repo"
+fi
 # Python headers are NOT needed: the TF plugin is a TensorFlow op library
 # loaded via tf.load_op_library, not a CPython extension (only the PyTorch /
 # MXNet plugins include Python.h).

@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 from absl import app, flags, logging  # noqa: E402
 
 from tfdist import flags as tfdist_flags  # noqa: E402  (defines the flags)
+from tfdist import models, strategies  # noqa: E402  (registries; no TensorFlow yet)
 from tfdist.errors import UsageError  # noqa: E402
 
 USAGE_ERROR = 2
@@ -44,6 +45,8 @@ def main(argv: list[str]) -> None:
     std_logging.getLogger("tensorflow").setLevel(std_logging.WARNING)
     try:
         config = tfdist_flags.run_config()
+        strategies.check_name(config.strategy.name)
+        models.check_name(config.model.name)
         from tfdist import api  # TensorFlow loads here, after the flags are known good
         result = api.train(config)
     except UsageError as error:

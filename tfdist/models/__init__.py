@@ -8,9 +8,6 @@ loss in float32).
 from __future__ import annotations
 
 import importlib
-from typing import Callable
-
-import keras
 
 from tfdist.config import ModelConfig
 from tfdist.data.spec import DatasetSpec
@@ -47,9 +44,7 @@ def check_compatible(config: ModelConfig, spec: DatasetSpec) -> None:
             "(image: tfdist_shapes with mlp or cnn; tokens: tfdist_tokens with transformer)")
 
 
-def build(config: ModelConfig, spec: DatasetSpec) -> keras.Model:
+def build(config: ModelConfig, spec: DatasetSpec) -> "keras.Model":  # noqa: F821
     check_compatible(config, spec)
     return _module(config.name).build(config, spec)
 
-
-ModelFn = Callable[[DatasetSpec], keras.Model]

@@ -1,0 +1,110 @@
+"""tfdist-train: bad input exits 2 with one line naming the input; a clean
+run prints the run summary; Ctrl-C leaves the last checkpoint intact."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import tensorflow as tf
+
+from tfdist import checkpointing, cluster
+from tfdist.errors import UsageError
+
+from conftest import BIN, REPO, run_cli
+
+pytestmark = pytest.mark.integration
+
+QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
+         "--steps_per_loop=2", "--global_batch_size=8"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy=bogus"], "--strategy='bogus' is not a registered strategy; valid: default, mirrored"),
+    (["--model=bogus"], "--model='bogus' is not a registered model; valid: cnn, mlp, transformer"),
+    (["--global_batch_size=0"], "--global_batch_size=0"),
+    (["--train_steps=-3"], "--train_steps=-3"),
+    (["--train_steps=3", "--epochs=1"], "--train_steps and --epochs: set only one of them"),
+    (["--no_such_flag=1"], "no_such_flag"),
+    (["stray_argument"], "unexpected arguments 'stray_argument'"),
+    (["--optimizer=rmsprop"], "--optimizer"),
+])
+def test_flag_errors_exit_2_before_tensorflow(args, message):
+    result = run_cli(args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tfdist-train: error: ") and message in lines[0], lines[0]
+
+
+def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
+    """Errors that need the engine or the data: each before any training step."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    cases = [
+        (["--dataset=no_such_dataset", f"--data_dir={data_dir}"],
+         "--dataset='no_such_dataset' is not a known TFDS dataset; valid: the bundled "
+         "tfdist_shapes, tfdist_tokens"),
+        (["--global_batch_size=7", "--strategy=mirrored", f"--data_dir={data_dir}"],
+         "--global_batch_size=7 must be divisible by replicas (2) x --accum_steps (1)"),
+        ([f"--model_dir={a_file}/run", f"--data_dir={data_dir}"],
+         f"--model_dir={a_file}/run is not a writable directory"),
+        ([f"--data_dir={a_file}"], f"--dataset=tfdist_shapes: cannot"),
+        (["--model=transformer", f"--data_dir={data_dir}"],
+         "--model=transformer needs a dataset of kind tokens"),
+    ]
+    for args, message in cases:
+        result = run_cli(QUICK + args, timeout=120)
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        error_lines = [l for l in result.stderr.splitlines() if "error:" in l]
+        assert len(error_lines) == 1 and message in error_lines[0], (args, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr
+        assert "step 1/" not in result.stderr  # nothing trained
+    assert a_file.read_text() == "not a directory"  # nothing on disk was touched
+
+
+def test_virtual_devices_after_runtime_start_is_a_usage_error():
+    tf.constant(1.0)  # the runtime is up (conftest made 2 logical CPUs)
+    with pytest.raises(UsageError, match="--virtual_devices=3: TensorFlow's devices were "
+                                         "already initialised"):
+        cluster.configure_virtual_cpus(3)
+    cluster.configure_virtual_cpus(2)  # the same request again is fine
+
+
+def test_run_prints_and_writes_summary(tmp_path, data_dir):
+    result = run_cli(QUICK + [f"--data_dir={data_dir}", f"--model_dir={tmp_path}",
+                              "--strategy=mirrored"], timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("strategy", "replicas", "global_batch_size", "steps", "loss", "accuracy",
+                "examples_per_sec"):
+        assert key in summary
+    assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
+    assert summary["steps"] == 2 and 0 <= summary["accuracy"] <= 1
+    with open(tmp_path / "summary.json") as f:
+        assert json.load(f) == summary
+
+
+def test_ctrl_c_keeps_last_checkpoint(tmp_path, data_dir):
+    args = ["--model=mlp", "--model_width=32", "--train_steps=100000", "--steps_per_loop=20",
+            "--checkpoint_every=20", "--keep_checkpoints=2", "--strategy=default",
+            f"--data_dir={data_dir}", f"--model_dir={tmp_path}"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen([os.path.join(BIN, "tfdist-train"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(checkpointing.saved_steps(str(tmp_path))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr
+    latest = tf.train.latest_checkpoint(checkpointing.checkpoint_dir(str(tmp_path)))
+    reader = tf.train.load_checkpoint(latest)  # complete and readable
+    assert any("step" in name for name in reader.get_variable_to_shape_map())

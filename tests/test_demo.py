@@ -1,0 +1,34 @@
+"""The main job (configs/demo.cfg) learns: a shortened run reaches its accuracy."""
+
+import os
+
+from absl import flags
+from absl.testing import flagsaver
+
+import tfdist
+from tfdist import flags as tfdist_flags
+
+from conftest import REPO
+
+
+def _demo_config(*overrides):
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["tfdist-train", f"--flagfile={os.path.join(REPO, 'configs/demo.cfg')}",
+                     *overrides])
+        return tfdist_flags.run_config()
+
+
+def test_flagfile_values_and_overrides():
+    config = _demo_config("--train_steps=7")
+    assert config.strategy.name == "mirrored" and config.strategy.virtual_devices == 2
+    assert config.model.name == "cnn" and config.data.dataset == "tfdist_shapes"
+    assert config.train.train_steps == 7  # a later flag overrides the flagfile
+
+
+def test_demo_reaches_90_percent_on_a_shortened_run(data_dir):
+    config = _demo_config("--train_steps=200", f"--data_dir={data_dir}")
+    summary = tfdist.train(config).summary
+    assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
+    assert summary["steps"] == 200
+    assert summary["accuracy"] >= 0.90, summary
