@@ -322,6 +322,7 @@ fi
 # with a warm cache does not have to install a toolchain. Every missing item is
 # reported (not just the first), each with its Debian package.
 missing_pkgs=()
+missing_other=0
 report_missing() { printf '[build_horovod] MISSING: %-28s -> apt package: %s\n' "$1" "$2" >&2; missing_pkgs+=("$2"); }
 if command -v cmake >/dev/null 2>&1; then
     cmake_ver="$(cmake --version | sed -nE '1s/.*version ([0-9]+\.[0-9]+).*/\1/p')"
@@ -341,13 +342,18 @@ if ((want_mpi)) && ! command -v mpicxx >/dev/null 2>&1; then
     report_missing "MPI (mpicxx, for HOROVOD_WITH_MPI=1)" "libopenmpi-dev openmpi-bin"
 fi
 if ((want_nccl)) && [[ -z "${HOROVOD_CUDA_HOME:-}" ]] && ! command -v nvcc >/dev/null 2>&1; then
-    report_missing "CUDA toolkit (nvcc; or set HOROVOD_CUDA_HOME)" "nvidia-cuda-toolkit (non-free) / NVIDIA's CUDA repo"
+    # Not one apt package on Debian (non-free nvidia-cuda-toolkit, or NVIDIA's
+    # own repo), so reported without joining the apt-get command below.
+    printf '[build_horovod] MISSING: %-28s -> install the CUDA toolkit or set HOROVOD_CUDA_HOME\n' "CUDA toolkit (nvcc)" >&2
+    missing_other=1
 fi
 # Python headers are NOT needed: the TF plugin is a TensorFlow op library
 # loaded via tf.load_op_library, not a CPython extension (only the PyTorch /
 # MXNet plugins include Python.h).
 if ((${#missing_pkgs[@]})); then
     printf '[build_horovod] install them with:  apt-get update && apt-get install -y %s\n' "${missing_pkgs[*]}" >&2
+fi
+if ((${#missing_pkgs[@]} || missing_other)); then
     exit 2
 fi
 

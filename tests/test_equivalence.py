@@ -44,8 +44,10 @@ def test_mirrored_batchnorm_matches_per_replica_statistics(optimizer, lr):
     So 2 replicas match one device that splits each batch into 2 micro-batches
     (accum_steps=2): the same per-half statistics, gradients summed once. The
     trainable weights agree to 1e-5. The moving averages differ by design: the
-    replicas average two EMA updates, the micro-batches apply them in turn, a
-    difference of order (1 - momentum)^2 per step, checked loosely below.
+    replicas average two EMA updates per step (decay momentum=0.9), the
+    micro-batches apply them in turn (decay 0.81). What must hold for them is
+    that they moved, and that every replica holds the same values (tfdist
+    averages them; Keras 3 alone would let each replica's copy drift apart).
     """
     cnn = dict(model="cnn", width=4, depth=1, optimizer=optimizer, learning_rate=lr)
     default = run_config("default", accum_steps=2, **cnn)
@@ -54,12 +56,12 @@ def test_mirrored_batchnorm_matches_per_replica_statistics(optimizer, lr):
     two = _train(run_config("mirrored", **cnn), initial)
     assert_weights_close([v.numpy() for v in two.model.trainable_variables],
                          [v.numpy() for v in one.model.trainable_variables])
-    moving_one = [v.numpy() for v in one.model.non_trainable_variables]
-    moving_two = [v.numpy() for v in two.model.non_trainable_variables]
-    for a, b, start in zip(moving_two, moving_one, [
-            w for w, v in zip(initial, one.model.variables) if not v.trainable]):
-        assert not np.allclose(a, start)          # the statistics were updated
-        np.testing.assert_allclose(a, b, atol=0.05, rtol=0.05)
+    initial_moving = [w for w, v in zip(initial, one.model.variables) if not v.trainable]
+    for variable, start in zip(two.model.non_trainable_variables, initial_moving):
+        replica_copies = [c.numpy() for c in variable.value.values]
+        assert len(replica_copies) == 2
+        np.testing.assert_array_equal(replica_copies[0], replica_copies[1])
+        assert not np.allclose(replica_copies[0], start)
 
 
 def test_default_batchnorm_differs_from_mirrored_without_micro_batches():
