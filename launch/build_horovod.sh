@@ -40,11 +40,13 @@ HOROVOD_VERSION="0.28.1"
 # the hash makes the download reproducible and tamper-evident (pip enforces it
 # with --require-hashes).
 HOROVOD_SDIST_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
-# Horovod's Python-side runtime deps (horovodrun needs them; setup.py also lists
-# them as setup_requires, and with --no-build-isolation setuptools would try to
-# fetch missing ones itself). Versions verified with horovod 0.28.1 + TF 2.21 on
-# Python 3.11. `packaging` is already a TensorFlow dependency, so we only make
-# sure it is present rather than pinning it against TF.
+# Horovod's Python-side runtime deps: horovodrun imports them, and we install
+# the wheel with --no-deps. setup.py also declares them as setup_requires, so
+# they are put in place before building, not left to setuptools. Each pin is
+# installed only if the module is missing (a version already in the venv, e.g.
+# pinned by the project, is kept). Verified with horovod 0.28.1 + TF 2.21 on
+# Python 3.11. `packaging` (imported by setup.py) is already a TensorFlow
+# dependency, so it is only checked for, not pinned against TF.
 RUNTIME_DEPS=("cloudpickle==3.1.3" "psutil==7.2.2" "PyYAML==6.0.3")
 # Only installed if the venv lacks setuptools/wheel (pip's PEP 517 fallback for
 # a setup.py-only sdist needs both when build isolation is off).
@@ -420,7 +422,7 @@ log "patched $(basename "$(dirname "$CML")")/CMakeLists.txt: xla_mpi_ops.cc remo
 #    TFDIST_HOROVOD_KEEP_DEBUG=1 to keep it (e.g. to debug a crash).
 build_ldflags="${LDFLAGS:-}"
 [[ "${TFDIST_HOROVOD_KEEP_DEBUG:-0}" == 1 ]] || build_ldflags="${build_ldflags:+$build_ldflags }-Wl,--strip-debug"
-log "building wheel (MAKEFLAGS=$MAKEFLAGS; ~8 min on 2 cores); log: $LOG"
+log "building wheel (MAKEFLAGS=$MAKEFLAGS; 5-8 min on 2 cores); log: $LOG"
 t_build="$(now)"
 LDFLAGS="$build_ldflags" "${PIP[@]}" wheel -v --no-build-isolation --no-deps -w "$WORK/wheelhouse" "$SRC" \
     >>"$LOG" 2>&1 || fail_build "wheel build failed"

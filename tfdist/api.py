@@ -33,6 +33,7 @@ class RunResult:
     summary: dict          # the run summary (also printed and written as summary.json)
     model: keras.Model     # the trained model
     optimizer: keras.optimizers.Optimizer
+    is_chief: bool = True  # only the chief prints and writes the summary
 
 
 def check_model_dir(model_dir: Optional[str]) -> None:
@@ -99,6 +100,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
     if strategy.is_chief:
         check_model_dir(tc.model_dir)
     inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
+    inputs.check_sharding(strategy.num_input_pipelines)
     if tc.epochs and not inputs.spec.train_examples:
         raise UsageError(f"--epochs={tc.epochs} needs a dataset of known size; "
                          "set --train_steps instead")
@@ -108,7 +110,6 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
         model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
         optimizer = optimizers.create(config.optimizer)
         optimizer.build(model.trainable_variables)
-    strategy.broadcast_variables(model.variables + optimizer.variables)
 
     checkpointer_factory = None
     if tc.model_dir:
@@ -142,4 +143,5 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
     }
     if strategy.is_chief and tc.model_dir:
         write_summary(tc.model_dir, summary)
-    return RunResult(summary=summary, model=model, optimizer=optimizer)
+    return RunResult(summary=summary, model=model, optimizer=optimizer,
+                     is_chief=strategy.is_chief)

@@ -55,7 +55,8 @@ def main(argv: list[str]) -> None:
         print(f"{PROG}: interrupted; the last complete checkpoint (if any) is intact",
               file=sys.stderr)
         sys.exit(130)
-    print(json.dumps(result.summary, sort_keys=True), flush=True)
+    if result.is_chief:
+        print(json.dumps(result.summary, sort_keys=True), flush=True)
 
 
 def run() -> None:

@@ -8,6 +8,8 @@ leaves the index pointing at the last complete checkpoint.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Optional
 
 import tensorflow as tf
@@ -15,17 +17,25 @@ from absl import logging
 
 
 class Checkpointer:
-    """Saves and restores `trackables` (e.g. model=, optimizer=, step=) in `directory`."""
+    """Saves and restores `trackables` (e.g. model=, optimizer=, step=) in `directory`.
+
+    Every worker calls `save` (saving may run collectives under multi-worker
+    strategies), but only the chief writes into `directory`; the others write
+    to a private temporary directory and delete it at once (the pattern of
+    TensorFlow Model Garden), so they never clobber the chief's files.
+    """
 
     def __init__(self, directory: str, *, keep: int, is_chief: bool, **trackables):
         self.directory = directory
         self.is_chief = is_chief
         self.checkpoint = tf.train.Checkpoint(**trackables)
-        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=keep)
+        self.manager = None
+        if is_chief:
+            self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=keep)
 
     @property
     def latest(self) -> Optional[str]:
-        return self.manager.latest_checkpoint
+        return tf.train.latest_checkpoint(self.directory)
 
     def restore_latest(self) -> Optional[str]:
         """Restore the newest checkpoint if there is one; return its path."""
@@ -39,6 +49,11 @@ class Checkpointer:
 
     def save(self, step: int) -> Optional[str]:
         if not self.is_chief:
+            scratch = tempfile.mkdtemp(prefix="tfdist-worker-ckpt-")
+            try:
+                self.checkpoint.write(os.path.join(scratch, "ckpt"))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
             return None
         if self.latest and self.latest.endswith(f"-{step}"):
             return self.latest  # already saved at this step

@@ -1,23 +1,166 @@
-"""Local device topology: virtual CPU devices and the device list to replicate over.
+"""Cluster topology: TF_CONFIG validation, `--worker_hosts`, virtual CPU devices.
 
-(TF_CONFIG parsing for multi-worker clusters lives here too.)
+TF_CONFIG is checked here, in plain Python, before TensorFlow starts: a bad
+cluster description must fail in one line at once, not after a worker has
+waited for peers that can never answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import socket
 from typing import Optional
-
-import tensorflow as tf
 
 from tfdist.errors import UsageError
 
+# MultiWorkerMirroredStrategy runs chief and worker tasks; parameter servers
+# and evaluators belong to other strategies.
+TASK_TYPES = ("chief", "worker")
 
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """A validated TF_CONFIG: every task's address and which one this is."""
+
+    cluster: dict
+    task_type: str
+    task_index: int
+
+    @property
+    def tasks(self) -> list[tuple[str, int]]:
+        """All (type, index) pairs, chief first, in TensorFlow's worker order."""
+        return [(t, i) for t in TASK_TYPES for i in range(len(self.cluster.get(t, ())))]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.tasks)
+
+    @property
+    def worker_index(self) -> int:
+        return self.tasks.index((self.task_type, self.task_index))
+
+    @property
+    def is_chief(self) -> bool:
+        """The chief task, or worker 0 when the cluster has no chief."""
+        return self.worker_index == 0
+
+    @property
+    def address(self) -> str:
+        return self.cluster[self.task_type][self.task_index]
+
+    def name(self, worker_index: int) -> str:
+        task_type, index = self.tasks[worker_index]
+        return f"{task_type} {index} ({self.cluster[task_type][index]})"
+
+
+def _fail(problem: str) -> None:
+    raise UsageError(f"TF_CONFIG: {problem}; expected e.g. "
+                     '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
+                     '"task": {"type": "worker", "index": 0}}')
+
+
+def _check_address(task_type: str, index: int, address) -> None:
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        _fail(f"cluster.{task_type}[{index}]={address!r} is not host:port with a port in 1-65535")
+
+
+def _is_local(host: str) -> bool:
+    """Whether this machine can listen on `host` (the task's own address)."""
+    try:
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, None):
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((sockaddr[0], 0))
+                return True
+    except OSError:
+        return False
+    return False
+
+
+def parse_tf_config(text: str, *, check_local: bool = True) -> ClusterSpec:
+    """Validate a TF_CONFIG string. Raises `UsageError` naming the problem."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        _fail(f"not valid JSON ({error.msg} at character {error.pos})")
+    if not isinstance(parsed, dict):
+        _fail(f"a JSON {type(parsed).__name__}, not an object")
+    cluster, task = parsed.get("cluster"), parsed.get("task")
+    if not isinstance(cluster, dict) or not cluster:
+        _fail("missing or empty 'cluster'")
+    if not isinstance(task, dict):
+        _fail("missing 'task'")
+    for task_type, addresses in cluster.items():
+        if task_type not in TASK_TYPES:
+            _fail(f"cluster has task type {task_type!r}; valid: {', '.join(TASK_TYPES)}")
+        if not isinstance(addresses, list) or not addresses:
+            _fail(f"cluster.{task_type} must be a non-empty list of host:port")
+        for index, address in enumerate(addresses):
+            _check_address(task_type, index, address)
+    if len(cluster.get("chief", ())) > 1:
+        _fail(f"cluster has {len(cluster['chief'])} chiefs; at most 1 is valid")
+    every = [a for addresses in cluster.values() for a in addresses]
+    duplicates = sorted({a for a in every if every.count(a) > 1})
+    if duplicates:
+        _fail(f"address {duplicates[0]} appears more than once in the cluster")
+    task_type, index = task.get("type"), task.get("index")
+    if task_type not in cluster:
+        _fail(f"task.type={task_type!r} is not a task type of the cluster "
+              f"({', '.join(cluster)})")
+    if isinstance(index, bool) or not isinstance(index, int) or not (
+            0 <= index < len(cluster[task_type])):
+        _fail(f"task.index={index!r} is out of range for {len(cluster[task_type])} "
+              f"{task_type} task(s) (valid: 0-{len(cluster[task_type]) - 1})")
+    spec = ClusterSpec(cluster=cluster, task_type=task_type, task_index=index)
+    host = spec.address.rpartition(":")[0]
+    if check_local and not _is_local(host):
+        _fail(f"this task's address {spec.address} ({task_type} {index}) is not an address "
+              "of this machine; is task.index right for this host?")
+    return spec
+
+
+def tf_config_from_hosts(worker_hosts, task_index: Optional[int]) -> str:
+    """TF_CONFIG for `--worker_hosts=h1:p,h2:p --task_index=i` (Model Garden style)."""
+    if task_index is None:
+        raise UsageError("--worker_hosts needs --task_index (this host's position in the list)")
+    if not 0 <= task_index < len(worker_hosts):
+        raise UsageError(f"--task_index={task_index} is out of range for "
+                         f"{len(worker_hosts)} --worker_hosts (valid: 0-{len(worker_hosts) - 1})")
+    return json.dumps({"cluster": {"worker": list(worker_hosts)},
+                       "task": {"type": "worker", "index": task_index}})
+
+
+def in_slurm_job(environ=os.environ) -> bool:
+    return "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ
+
+
+def resolve(worker_hosts=(), task_index: Optional[int] = None,
+            environ=os.environ) -> Optional[ClusterSpec]:
+    """This process's cluster: from --worker_hosts (written to TF_CONFIG), or TF_CONFIG.
+
+    None when neither is given (the caller may then ask Slurm).
+    """
+    if worker_hosts:
+        environ["TF_CONFIG"] = tf_config_from_hosts(worker_hosts, task_index)
+    elif task_index is not None:
+        raise UsageError(f"--task_index={task_index} needs --worker_hosts")
+    text = environ.get("TF_CONFIG")
+    if not text:
+        return None
+    return parse_tf_config(text)
+
+
+# -- local devices ------------------------------------------------------------
 def configure_virtual_cpus(count: Optional[int]) -> None:
     """Split the first CPU into `count` logical devices on a host without GPUs.
 
     Must run before the TensorFlow runtime initialises; repeating the same
     request later in the process (e.g. two runs in one test) is accepted.
     """
+    import tensorflow as tf
+
     if not count or tf.config.list_physical_devices("GPU"):
         return
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -37,6 +180,8 @@ def configure_virtual_cpus(count: Optional[int]) -> None:
 
 def local_devices(virtual_cpus: Optional[int]) -> list[str]:
     """All local GPUs, else all logical CPUs (after configuring virtual ones)."""
+    import tensorflow as tf
+
     configure_virtual_cpus(virtual_cpus)
     gpus = tf.config.list_logical_devices("GPU")
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]

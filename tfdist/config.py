@@ -14,6 +14,8 @@ from typing import Optional
 from tfdist.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+COLLECTIVES = ("auto", "ring", "nccl")
+AUTOSHARD = ("auto", "file", "data", "off")
 
 
 def _positive(name: str, value, allow_none: bool = False) -> None:
@@ -36,9 +38,23 @@ class StrategyConfig:
     # Split the CPU into this many logical devices when no GPU is present, so
     # multi-device code runs for real on a CPU-only host. None: leave as is.
     virtual_devices: Optional[int] = None
+    # Multi-worker: cross-worker collectives and their limits.
+    collective: str = "auto"            # auto | ring | nccl
+    collective_timeout_s: float = 60.0  # a collective (or a silent peer) fails after this
+    bytes_per_pack: int = 0             # 0: TensorFlow's default packing
+    # Alternative to TF_CONFIG (as in TensorFlow Model Garden): this host's
+    # index in a comma-separated host:port list.
+    worker_hosts: tuple = ()
+    task_index: Optional[int] = None
 
     def __post_init__(self):
         _positive("virtual_devices", self.virtual_devices, allow_none=True)
+        if self.collective not in COLLECTIVES:
+            raise ConfigError(f"collective={self.collective!r} is not known; valid: "
+                              f"{', '.join(COLLECTIVES)}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s!r} must be > 0")
+        _non_negative("bytes_per_pack", self.bytes_per_pack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +80,18 @@ class DataConfig:
     data_dir: Optional[str] = None   # None: TFDS default (~/tensorflow_datasets or $TFDS_DATA_DIR)
     synthetic: bool = False          # random tensors of the dataset's shapes, for benchmarking
     shuffle_buffer: int = 10_000
+    # How training input is split between input pipelines (workers):
+    # file: each reads its own files; data: each reads its own examples;
+    # off: each reads everything (differently shuffled); auto: file if the
+    # split has enough files, else data.
+    autoshard: str = "auto"
 
     def __post_init__(self):
         if not self.dataset:
             raise ConfigError("dataset='' must name a TFDS dataset, e.g. tfdist_shapes")
+        if self.autoshard not in AUTOSHARD:
+            raise ConfigError(f"autoshard={self.autoshard!r} is not known; valid: "
+                              f"{', '.join(AUTOSHARD)}")
         _positive("shuffle_buffer", self.shuffle_buffer)
 
 

@@ -16,11 +16,27 @@ from tfdist.errors import UsageError
 # registries themselves), so the flags module never imports TensorFlow.
 _STRATEGY = flags.DEFINE_string(
     "strategy", "mirrored",
-    "Scale-out engine: default (one device), mirrored (all local devices).")
+    "Scale-out engine: default (one device), mirrored (all local devices), multi_worker "
+    "(MultiWorkerMirroredStrategy over TF_CONFIG / --worker_hosts / Slurm).")
 _VIRTUAL_DEVICES = flags.DEFINE_integer(
     "virtual_devices", 2,
     "On a host without GPUs, split the CPU into this many logical devices so "
     "multi-device strategies run for real; 0 leaves the devices as they are.", lower_bound=0)
+
+_WORKER_HOSTS = flags.DEFINE_list(
+    "worker_hosts", [], "multi_worker without TF_CONFIG: every worker's host:port, in order "
+    "(the same list on every host); TF_CONFIG is written from it.")
+_TASK_INDEX = flags.DEFINE_integer(
+    "task_index", None, "multi_worker: this host's index in --worker_hosts.", lower_bound=0)
+_COLLECTIVE = flags.DEFINE_enum(
+    "collective", "auto", list(config_lib.COLLECTIVES),
+    "multi_worker collective implementation (CommunicationOptions).")
+_COLLECTIVE_TIMEOUT_S = flags.DEFINE_float(
+    "collective_timeout_s", 60.0, "multi_worker: a collective that has not completed in this "
+    "many seconds (e.g. a dead or never-started peer) fails the run.", lower_bound=1.0)
+_BYTES_PER_PACK = flags.DEFINE_integer(
+    "bytes_per_pack", 0, "multi_worker: pack gradients into all-reduces of about this many "
+    "bytes (0: TensorFlow's default).", lower_bound=0)
 
 _MODEL = flags.DEFINE_string("model", "cnn", "Model builder: mlp, cnn, transformer.")
 _MODEL_WIDTH = flags.DEFINE_integer(
@@ -38,6 +54,11 @@ _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets).")
 _SYNTHETIC = flags.DEFINE_boolean(
     "synthetic", False, "Feed random tensors of the dataset's shapes (benchmarking; no eval).")
+_AUTOSHARD = flags.DEFINE_enum(
+    "autoshard", "auto", list(config_lib.AUTOSHARD),
+    "How training input is split across workers: file (each reads its own files), data "
+    "(each reads its own examples), off (each reads all, shuffled differently), auto (file "
+    "when the split has enough files, else data).")
 _SHUFFLE_BUFFER = flags.DEFINE_integer("shuffle_buffer", 10_000, "Examples in the shuffle buffer.", lower_bound=1)
 
 _GLOBAL_BATCH_SIZE = flags.DEFINE_integer(
@@ -87,13 +108,16 @@ def run_config() -> config_lib.RunConfig:
     try:
         return config_lib.RunConfig(
             strategy=config_lib.StrategyConfig(
-                name=_STRATEGY.value, virtual_devices=_VIRTUAL_DEVICES.value or None),
+                name=_STRATEGY.value, virtual_devices=_VIRTUAL_DEVICES.value or None,
+                collective=_COLLECTIVE.value, collective_timeout_s=_COLLECTIVE_TIMEOUT_S.value,
+                bytes_per_pack=_BYTES_PER_PACK.value, worker_hosts=tuple(_WORKER_HOSTS.value),
+                task_index=_TASK_INDEX.value),
             model=config_lib.ModelConfig(
                 name=_MODEL.value, width=_MODEL_WIDTH.value, depth=_MODEL_DEPTH.value,
                 num_heads=_NUM_HEADS.value),
             data=config_lib.DataConfig(
                 dataset=_DATASET.value, data_dir=_DATA_DIR.value, synthetic=_SYNTHETIC.value,
-                shuffle_buffer=_SHUFFLE_BUFFER.value),
+                shuffle_buffer=_SHUFFLE_BUFFER.value, autoshard=_AUTOSHARD.value),
             optimizer=config_lib.OptimizerConfig(
                 name=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
                 momentum=_MOMENTUM.value, weight_decay=_WEIGHT_DECAY.value),

@@ -37,6 +37,9 @@ class Inputs(abc.ABC):
     def split_size(self, split: str, num_pipelines: int, pipeline_id: int) -> int:
         """Examples pipeline `pipeline_id` of `num_pipelines` reads from `split`."""
 
+    def check_sharding(self, num_pipelines: int) -> None:
+        """Raise `UsageError` before training if the input cannot be split this way."""
+
     def train_batches(self, context, batch_size: int, seed: int, shuffle_buffer: int):
         """Infinite, shuffled batches of `batch_size` for training."""
         ds = self.examples("train", context, shuffle_seed=seed)

@@ -99,9 +99,11 @@ def _preprocess(x, y):
 class TfdsInputs(Inputs):
     """A TFDS dataset's `train` and `test` splits, sharded per input pipeline.
 
-    Sharding: by file when the split has at least as many files as there are
-    pipelines (each pipeline opens only its files), otherwise by example with
-    `tfds.even_splits`, which TFDS's own input-context sharding refuses to do.
+    Training input follows `DataConfig.autoshard`: by file (each pipeline
+    opens only its files; needs at least as many files as pipelines), by
+    example with `tfds.even_splits` (works for any split, where TFDS's own
+    input-context sharding refuses small ones), or not at all. Evaluation is
+    always split by example, so every test example is counted exactly once.
     """
 
     def __init__(self, config: DataConfig, *, prepare: bool = True):
@@ -127,13 +129,32 @@ class TfdsInputs(Inputs):
         sub = self._subsplit(split, num_pipelines, pipeline_id)
         return self.builder.info.splits[sub].num_examples
 
+    def _train_sharding(self, pipelines: int) -> str:
+        mode, files = self.config.autoshard, self._num_files("train")
+        if pipelines == 1:
+            return "off"
+        if mode == "auto":
+            return "file" if files >= pipelines else "data"
+        if mode == "file" and files < pipelines:
+            raise UsageError(
+                f"--autoshard=file: the train split of {self.config.dataset} has {files} "
+                f"file(s), fewer than the {pipelines} input pipelines; use --autoshard=data "
+                "or auto")
+        return mode
+
+    def check_sharding(self, pipelines: int) -> None:
+        """Raise `UsageError` now if training input cannot be sharded this way."""
+        self._train_sharding(pipelines)
+
     def examples(self, split, context, *, shuffle_seed=None):
         pipelines, pipeline_id = context.num_input_pipelines, context.input_pipeline_id
-        by_file = split == "train" and 1 < pipelines <= self._num_files(split)
+        mode = self._train_sharding(pipelines) if split == "train" else "data"
+        if mode == "off" and shuffle_seed is not None:
+            shuffle_seed += pipeline_id  # every pipeline reads everything, in its own order
         read_config = tfds.ReadConfig(
-            shuffle_seed=shuffle_seed, input_context=context if by_file else None)
+            shuffle_seed=shuffle_seed, input_context=context if mode == "file" else None)
         ds = self.builder.as_dataset(
-            split=split if by_file else self._subsplit(split, pipelines, pipeline_id),
+            split=self._subsplit(split, pipelines, pipeline_id) if mode == "data" else split,
             as_supervised=True, shuffle_files=shuffle_seed is not None,
             read_config=read_config)
         return ds.map(_preprocess, num_parallel_calls=tf.data.AUTOTUNE)

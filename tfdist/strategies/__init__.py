@@ -15,6 +15,7 @@ from tfdist.strategies.base import Strategy
 _REGISTRY = {
     "default": "tfdist.strategies.default:DefaultStrategy",
     "mirrored": "tfdist.strategies.mirrored:MirroredStrategy",
+    "multi_worker": "tfdist.strategies.multi_worker:MultiWorkerStrategy",
 }
 
 

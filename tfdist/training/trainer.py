@@ -189,6 +189,10 @@ class Trainer:
         tc = self.train_config
         if self.checkpointer:
             self.checkpointer.restore_latest()
+        # Every replica starts from the chief's state (its initial values, or
+        # the checkpoint it restored), even where workers cannot see its files.
+        self.strategy.broadcast_variables(
+            [*self.model.variables, *self.optimizer.variables, self.step])
         step = int(self.step.numpy())
         iterator = self._make_data(step)
         progress = Progress(self.total_steps, start=step, enabled=self.strategy.is_chief)

@@ -1,0 +1,281 @@
+"""tfdist-launch: run N workers of one command on this host as a TF_CONFIG cluster.
+
+    tfdist-launch --workers=2 [--max_restarts=R] -- tfdist-train --strategy=multi_worker ...
+
+Each worker gets its own `TF_CONFIG` (same cluster, its own task index) and
+`TFDIST_LAUNCH_ATTEMPT` (0, then 1, 2, ... after restarts). Output lines are
+prefixed `[worker i] `. When one worker fails the others are stopped at once:
+a MultiWorkerMirroredStrategy collective would otherwise wait for the dead
+peer forever. Stdlib only, so it starts instantly and never imports TensorFlow.
+"""
+
+import argparse
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+PROG = "tfdist-launch"
+POLL_S = 0.1          # how often worker exits are checked; no busy loop
+DRAIN_S = 1.0         # how long to wait for a stopped worker's last output lines
+_OUTPUT = threading.Lock()  # held per line, so lines never interleave
+_closed = False             # set on exit: pumps of strays then write nothing
+
+
+class UsageError(Exception):
+    """A mistake in the command line; reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _parser():
+    p = _Parser(prog=PROG, allow_abbrev=False,
+                usage=f"{PROG} --workers=N [options] -- CMD [ARGS...]",
+                description="Start N local workers of CMD as a TF_CONFIG cluster; "
+                            "stop them all when one fails, optionally restart the group.")
+    p.add_argument("--workers", type=int, required=True, metavar="N",
+                   help="number of worker processes (>= 1)")
+    p.add_argument("--max_restarts", type=int, default=0, metavar="R",
+                   help="restart the whole group after a failure up to R times (default 0)")
+    p.add_argument("--port_base", type=int, default=None, metavar="P",
+                   help="use free ports P, P+1, ... (ports in use are skipped); "
+                        "default: ports picked by the OS")
+    p.add_argument("--host", default="localhost",
+                   help="host name or address written into TF_CONFIG (default localhost)")
+    p.add_argument("--grace_s", type=float, default=5.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
+    return p
+
+
+def parse_args(argv):
+    """Options before `--`, the worker command after it; argparse would eat the command's flags."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    opts, stray = _parser().parse_known_args(argv[:cut])
+    cmd = argv[cut + 1:]
+    if stray and stray[0].startswith("-"):
+        raise UsageError(f"unrecognized arguments: {' '.join(stray)}")
+    if stray or not cmd:
+        raise UsageError(f"missing the worker command: put it after '--', "
+                         f"e.g. {PROG} --workers=2 -- tfdist-train --strategy=multi_worker")
+    if opts.workers < 1:
+        raise UsageError(f"--workers={opts.workers} must be at least 1")
+    if opts.max_restarts < 0:
+        raise UsageError(f"--max_restarts={opts.max_restarts} must be 0 or more")
+    if opts.port_base is not None and not 1 <= opts.port_base <= 65535:
+        raise UsageError(f"--port_base={opts.port_base} must be a TCP port, 1..65535 "
+                         f"(omit it to let the OS pick free ports)")
+    if opts.grace_s < 0:
+        raise UsageError(f"--grace_s={opts.grace_s:g} must be 0 or more")
+    return opts, cmd
+
+
+def _emit(stream, data):
+    """Write bytes and flush under the output lock; a closed stream must not kill the launcher."""
+    with _OUTPUT:
+        if _closed:
+            return
+        try:
+            stream.write(data)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def log(message):
+    _emit(sys.stderr.buffer, f"{PROG}: {message}\n".encode())
+
+
+def pick_ports(host, count, base):
+    """Return `count` distinct free ports on `host`, holding each bound until all are found.
+
+    A port counts as free if we can bind it; one in use is skipped, never waited for.
+    The probes are closed before the workers start, so a port can still be taken in
+    between; the worker then fails to bind and fail-fast (or a restart) handles it.
+    """
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host={host}: cannot resolve it ({e.strerror})") from None
+    held, port = [], base
+    try:
+        while len(held) < count:
+            if base is not None and port > 65535:
+                raise UsageError(f"--port_base={base}: only {len(held)} free ports from {base} "
+                                 f"to 65535, need {count}; pick a lower --port_base")
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.bind((addr[0], port or 0) + tuple(addr[2:]))
+                held.append(sock)
+            except OSError as e:
+                sock.close()
+                if e.errno not in (errno.EADDRINUSE, errno.EACCES) or base is None:
+                    raise UsageError(f"--host={host}: cannot bind a port on it "
+                                     f"({e.strerror}); use a local name such as localhost") from None
+            if base is not None:
+                port += 1
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def tf_config(host, ports, index):
+    cluster = {"worker": [f"{host}:{p}" for p in ports]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+def _pump(pipe, out, prefix):
+    """Copy a worker's output to ours line by line, prefixed; bytes, so any garbage passes."""
+    with pipe:
+        for line in iter(lambda: pipe.readline(1 << 16), b""):
+            _emit(out, prefix + (line if line.endswith(b"\n") else line + b"\n"))
+
+
+class Worker:
+    """One worker process in its own session, so a signal reaches its whole process group."""
+
+    def __init__(self, index, cmd, env):
+        self.index = index
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        prefix = f"[worker {index}] ".encode()
+        self.pumps = [threading.Thread(target=_pump, args=(pipe, out, prefix), daemon=True)
+                      for pipe, out in ((self.proc.stdout, sys.stdout.buffer),
+                                        (self.proc.stderr, sys.stderr.buffer))]
+        for t in self.pumps:
+            t.start()
+
+    def signal_group(self, signum):
+        """Signal the group, not just the leader: a worker's own children must stop too."""
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_alive(self):
+        self.proc.poll()  # reap the leader; a zombie would keep the group "alive"
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def describe_exit(self):
+        rc = self.proc.returncode
+        if rc >= 0:
+            return f"worker {self.index} exited with status {rc}"
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"worker {self.index} was killed by signal {name}"
+
+
+def start_group(opts, cmd, attempt):
+    ports = pick_ports(opts.host, opts.workers, opts.port_base)
+    workers = []
+    try:
+        for i in range(opts.workers):
+            env = dict(os.environ, TF_CONFIG=tf_config(opts.host, ports, i),
+                       TFDIST_LAUNCH_ATTEMPT=str(attempt))
+            workers.append(Worker(i, cmd, env))
+    except OSError as e:
+        stop_group(workers, signal.SIGTERM, opts.grace_s)
+        raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
+    return workers
+
+
+def stop_group(workers, signum, grace_s):
+    """Signal every group, give them grace_s to exit, then SIGKILL what is left; bounded time."""
+    for w in workers:
+        w.signal_group(signum)
+    deadline = time.monotonic() + grace_s
+    while any(w.group_alive() for w in workers) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for w in workers:
+        if w.group_alive():
+            log(f"worker {w.index} still running {grace_s:g}s after "
+                f"{signal.Signals(signum).name}; sending SIGKILL")
+            w.signal_group(signal.SIGKILL)
+    for w in workers:
+        w.proc.wait()
+    _drain(workers)
+
+
+def _drain(workers):
+    """Let the pumps print the last lines; a grandchild that left the group must not block us."""
+    deadline = time.monotonic() + DRAIN_S
+    for t in (t for w in workers for t in w.pumps):
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+def supervise(workers, interrupts, grace_s):
+    """Wait for the group: return None if all exited 0, else the failed Worker or a signal number."""
+    while True:
+        if interrupts:
+            signum = interrupts[0]
+            log(f"got {signal.Signals(signum).name}; stopping all workers")
+            stop_group(workers, signum, grace_s)
+            return signum
+        codes = [w.proc.poll() for w in workers]
+        failed = next((w for w, rc in zip(workers, codes) if rc not in (None, 0)), None)
+        if failed:
+            log(failed.describe_exit())
+            stop_group(workers, signal.SIGTERM, grace_s)
+            return failed
+        if all(rc == 0 for rc in codes):
+            stop_group(workers, signal.SIGTERM, grace_s)  # ends strays the workers left behind
+            return None
+        time.sleep(POLL_S)
+
+
+def run(opts, cmd, interrupts):
+    """Start the group, restarting it after failures; return the launcher's exit status."""
+    for attempt in range(opts.max_restarts + 1):
+        if attempt:
+            log(f"restarting all workers (restart {attempt} of {opts.max_restarts})")
+        outcome = supervise(start_group(opts, cmd, attempt), interrupts, opts.grace_s)
+        if outcome is None:
+            return 0
+        if isinstance(outcome, int):
+            log(f"interrupted by {signal.Signals(outcome).name}; all workers stopped")
+            return 128 + outcome
+        if interrupts:  # a Ctrl-C during the fail-fast stop means: do not restart
+            return 128 + interrupts[0]
+    log(f"failed: {outcome.describe_exit()}; all workers stopped "
+        f"(restarts used: {opts.max_restarts} of {opts.max_restarts})")
+    return 1
+
+
+def _close_output():
+    """Stop all writes before exit: a daemon pump holding stdout's lock at shutdown aborts Python."""
+    global _closed
+    with _OUTPUT:
+        _closed = True
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    interrupts = []  # signal handlers only record; the poll loop acts within POLL_S
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda s, _frame: interrupts.append(s))
+    try:
+        opts, cmd = parse_args(argv)
+        return run(opts, cmd, interrupts)
+    except UsageError as e:
+        log(f"error: {e}")
+        return 2
+    finally:
+        _close_output()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""`multi_worker`: MultiWorkerMirroredStrategy over a TF_CONFIG cluster.
+
+Keras 3's `model.fit` fails under this strategy upstream ("Attempt to convert
+a value (PerReplica...)"); tfdist's custom loop runs the same Keras 3 models
+with `strategy.run`, so workers stay in sync step by step.
+
+The cluster comes from TF_CONFIG (validated in `tfdist.cluster` before
+TensorFlow starts), from `--worker_hosts/--task_index`, or from Slurm.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist import cluster
+from tfdist.errors import UsageError
+from tfdist.strategies.tf_distribute import TFDistributeStrategy
+
+_IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+
+
+class MultiWorkerStrategy(TFDistributeStrategy):
+    """One process per worker; every worker replicates over its local GPUs (or one CPU)."""
+
+    name = "multi_worker"
+    _spec = None
+
+    def _create(self):
+        config = self.config
+        self._spec = cluster.resolve(config.worker_hosts, config.task_index)
+        resolver = None
+        if self._spec is None:
+            if not cluster.in_slurm_job():
+                raise UsageError(
+                    "--strategy=multi_worker needs a cluster: set TF_CONFIG, pass "
+                    "--worker_hosts=h1:port,h2:port with --task_index=i, run under Slurm "
+                    "(srun), or start local workers with `tfdist-launch --workers=N -- ...`")
+            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
+        options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=config.bytes_per_pack,
+            timeout_seconds=config.collective_timeout_s,
+            implementation=_IMPLEMENTATIONS[config.collective])
+        try:
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver, communication_options=options)
+        except RuntimeError as error:
+            if "initialized" in str(error) or "startup" in str(error):
+                raise UsageError(
+                    "--strategy=multi_worker must be created before any other TensorFlow op "
+                    "in the process (tfdist.train does this first; do not run TensorFlow "
+                    f"code before it): {error}") from None
+            raise
+        # TensorFlow's worker order: the chief (if any) first, then the workers.
+        resolver = strategy.cluster_resolver
+        tasks = resolver.cluster_spec().as_dict()
+        self._num_workers = len(tasks.get("chief", ())) + len(tasks.get("worker", ()))
+        self._worker_index = 0 if resolver.task_type == "chief" else (
+            resolver.task_id + len(tasks.get("chief", ())))
+        return strategy
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self._worker_index
+
+    @property
+    def is_chief(self) -> bool:
+        return self._strategy.extended.should_checkpoint
+
+    def worker_name(self, index: int) -> str:
+        if self._spec is not None:
+            return self._spec.name(index)
+        return f"worker {index}"
+
+    def describe(self) -> str:
+        return (f"multi_worker: {self.num_workers} worker(s), {self.num_replicas} replica(s); "
+                f"this is {self.worker_name(self.worker_index)}"
+                f"{' (chief)' if self.is_chief else ''}")
+
+    def broadcast_variables(self, variables) -> None:
+        """Give every worker the chief's values (e.g. after the chief restored
+        a checkpoint that other hosts cannot see): one sum in which only the
+        chief contributes non-zero values."""
+        variables = list(variables)
+        chief = self.is_chief
+
+        @tf.function
+        def broadcast():
+            def replica_fn():
+                context = tf.distribute.get_replica_context()
+                first_replica = tf.equal(context.replica_id_in_sync_group, 0)
+                keep = tf.logical_and(chief, first_replica)
+                values = [tf.convert_to_tensor(v) for v in variables]
+                return self._all_reduce_sum([tf.where(keep, v, tf.zeros_like(v)) for v in values])
+
+            summed = self._strategy.run(replica_fn)
+            for variable, total in zip(variables, summed):
+                variable.assign(self._strategy.experimental_local_results(total)[0])
+
+        if variables:
+            broadcast()
