@@ -15,6 +15,7 @@ import os
 from typing import Callable, Optional
 
 import keras
+import tensorflow as tf
 from absl import logging
 
 from tfdist import models, strategies
@@ -23,7 +24,7 @@ from tfdist.config import RunConfig
 from tfdist.data import tfds_inputs
 from tfdist.data.function_inputs import DatasetFn, FunctionInputs
 from tfdist.data.spec import DatasetSpec
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, WorkerFault
 from tfdist.training import optimizers
 from tfdist.training.trainer import Trainer
 
@@ -126,7 +127,10 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
                      strategy.num_replicas, tc.global_batch_size // strategy.num_replicas,
                      f" ({tc.accum_steps} micro-batches)" if tc.accum_steps > 1 else "",
                      trainer.total_steps)
-    metrics = trainer.fit()
+    try:
+        metrics = trainer.fit()
+    except tf.errors.OpError as error:
+        raise WorkerFault(strategy.describe_fault(error)) from error
     summary = {
         "strategy": strategy.name,
         "replicas": strategy.num_replicas,

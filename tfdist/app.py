@@ -18,7 +18,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from tfdist import flags as tfdist_flags  # noqa: E402  (defines the flags)
 from tfdist import models, strategies  # noqa: E402  (registries; no TensorFlow yet)
-from tfdist.errors import UsageError  # noqa: E402
+from tfdist.errors import UsageError, WorkerFault  # noqa: E402
 
 USAGE_ERROR = 2
 PROG = "tfdist-train"
@@ -51,6 +51,11 @@ def main(argv: list[str]) -> None:
         result = api.train(config)
     except UsageError as error:
         usage_exit(str(error))
+    except WorkerFault as fault:
+        # Exit at once: with a dead peer, TensorFlow's teardown can block.
+        sys.stderr.write(f"{PROG}: fault: {fault}\n")
+        sys.stderr.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; the last complete checkpoint (if any) is intact",
               file=sys.stderr)

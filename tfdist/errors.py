@@ -11,3 +11,11 @@ class UsageError(Exception):
 
 class ConfigError(UsageError, ValueError):
     """An invalid value in a `RunConfig` part."""
+
+
+class WorkerFault(Exception):
+    """A fault during training (a worker died, a collective timed out).
+
+    The message names the failing worker; the CLI prints it and exits with
+    status 1 at once, since a cluster with a dead member cannot continue.
+    """

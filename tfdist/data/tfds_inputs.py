@@ -50,9 +50,14 @@ def _builder(config: DataConfig):
                          f"--data_dir={config.data_dir}: {_first_line(error)}") from None
 
 
-def _prepare(builder, config: DataConfig) -> None:
+def _prepare(builder, config: DataConfig):
+    """Prepare `builder`'s data if needed; return a builder that sees it.
+
+    Local workers share `data_dir`: one prepares under the lock while the
+    others wait, then reopen the builder so its info lists the new splits.
+    """
     if builder.is_prepared():
-        return
+        return builder
     try:
         with _prepare_lock(str(builder.data_dir_root)):
             if not builder.is_prepared():  # another local worker may have done it
@@ -63,6 +68,7 @@ def _prepare(builder, config: DataConfig) -> None:
             f"{builder.data_dir_root}: {_first_line(error)} (prepare it there with "
             "`tfds build`, or pick a bundled dataset: "
             f"{', '.join(builders.BUNDLED)})") from None
+    return _builder(config)
 
 
 def _spec(builder) -> DatasetSpec:
@@ -110,7 +116,7 @@ class TfdsInputs(Inputs):
         self.config = config
         self.builder = _builder(config)
         if prepare:
-            _prepare(self.builder, config)
+            self.builder = _prepare(self.builder, config)
         self.spec = _spec(self.builder)
         for split in ("train", "test"):
             if split not in self.builder.info.splits:

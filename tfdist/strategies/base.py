@@ -105,6 +105,11 @@ class Strategy(abc.ABC):
         self.reductions_traced += 1
         return self._all_reduce_sum(list(tensors))
 
+    def describe_fault(self, error: Exception) -> str:
+        """One line naming what failed, for an engine error during training."""
+        text = str(getattr(error, "message", error)).strip().splitlines()
+        return f"worker {self.worker_index}: {type(error).__name__}: {text[0] if text else ''}"
+
     def broadcast_variables(self, variables) -> None:
         """Make every replica start from the chief's values (no-op where the
         engine already mirrors variables)."""

@@ -10,10 +10,14 @@ TensorFlow starts), from `--worker_hosts/--task_index`, or from Slurm.
 
 from __future__ import annotations
 
+import re
+import signal
+
 import tensorflow as tf
 
 from tfdist import cluster
 from tfdist.errors import UsageError
+from tfdist.observe import watchdog
 from tfdist.strategies.tf_distribute import TFDistributeStrategy
 
 _IMPLEMENTATIONS = {
@@ -45,8 +49,15 @@ class MultiWorkerStrategy(TFDistributeStrategy):
             timeout_seconds=config.collective_timeout_s,
             implementation=_IMPLEMENTATIONS[config.collective])
         try:
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=resolver, communication_options=options)
+            # Creating the strategy waits, without limit, until every peer
+            # answers; bound that wait by the collective timeout.
+            me = self._spec.name(self._spec.worker_index) if self._spec else "this worker"
+            with watchdog.deadline(
+                    config.collective_timeout_s,
+                    f"{me}: the cluster did not form within --collective_timeout_s="
+                    f"{config.collective_timeout_s:g}s", self._peers()):
+                strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                    cluster_resolver=resolver, communication_options=options)
         except RuntimeError as error:
             if "initialized" in str(error) or "startup" in str(error):
                 raise UsageError(
@@ -60,7 +71,24 @@ class MultiWorkerStrategy(TFDistributeStrategy):
         self._num_workers = len(tasks.get("chief", ())) + len(tasks.get("worker", ()))
         self._worker_index = 0 if resolver.task_type == "chief" else (
             resolver.task_id + len(tasks.get("chief", ())))
+        # TensorFlow's preemption notifier swallows SIGTERM; restore the
+        # default so that a launcher, Kubernetes or Slurm can stop a worker.
+        # (The checkpoint index is written last, so the latest complete
+        # checkpoint survives.)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return strategy
+
+    def _peers(self):
+        """(name, host, port) of every other task, for the start-up deadline."""
+        spec = self._spec
+        if spec is None:
+            return []
+        peers = []
+        for index, (task_type, task_index) in enumerate(spec.tasks):
+            if index != spec.worker_index:
+                host, _, port = spec.cluster[task_type][task_index].rpartition(":")
+                peers.append((spec.name(index), host, int(port)))
+        return peers
 
     @property
     def num_workers(self) -> int:
@@ -83,6 +111,20 @@ class MultiWorkerStrategy(TFDistributeStrategy):
         return (f"multi_worker: {self.num_workers} worker(s), {self.num_replicas} replica(s); "
                 f"this is {self.worker_name(self.worker_index)}"
                 f"{' (chief)' if self.is_chief else ''}")
+
+    def describe_fault(self, error: Exception) -> str:
+        """Name the peer TensorFlow's error points at (".../task:N")."""
+        text = str(getattr(error, "message", error))
+        me = self.worker_name(self.worker_index)
+        match = re.search(r"/job:(chief|worker)/replica:\d+/task:(\d+)", text)
+        reason = re.findall(r'grpc_message:"([^"]+)"', text)
+        detail = reason[-1] if reason else (text.strip().splitlines() or [type(error).__name__])[0]
+        if match and self._spec is not None:
+            task_type, index = match.group(1), int(match.group(2))
+            if (task_type, index) in self._spec.tasks:
+                peer = self._spec.name(self._spec.tasks.index((task_type, index)))
+                return f"{me}: peer {peer} failed or is unreachable: {detail}"
+        return f"{me}: collective failed: {type(error).__name__}: {detail}"
 
     def broadcast_variables(self, variables) -> None:
         """Give every worker the chief's values (e.g. after the chief restored

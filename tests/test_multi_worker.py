@@ -1,0 +1,179 @@
+"""multi_worker on real localhost clusters started by tfdist-launch."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist import checkpointing, cluster, models
+from tfdist.errors import UsageError
+
+from common import IMAGE_SPEC, assert_weights_close, image_dataset_fn
+from conftest import BIN, REPO, run_cli
+
+pytestmark = pytest.mark.integration
+LAUNCH = os.path.join(BIN, "tfdist-launch")
+TRAIN = os.path.join(BIN, "tfdist-train")
+
+
+def _launch(args, command, timeout):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.Popen([LAUNCH, *args, "--", *command], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _children(pid):
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_match_single_process(tmp_path):
+    spec_model = tfdist.ModelConfig(name="mlp", width=16, depth=1)
+    initial = models.build(spec_model, IMAGE_SPEC).get_weights()
+    np.savez(tmp_path / "initial.npz", *initial)
+    proc = _launch(["--workers=2"], [sys.executable, "tests/mw_worker.py", str(tmp_path),
+                                     "multi_worker", "10"], timeout=200)
+    out, err = proc.communicate(timeout=200)
+    assert proc.returncode == 0, err[-3000:]
+    workers = [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)]
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)  # workers are identical, bit for bit
+
+    # The same 10 global batches on one device, in this process.
+    config = tfdist.RunConfig(
+        strategy=tfdist.StrategyConfig(name="default"), model=spec_model,
+        data=tfdist.DataConfig(shuffle_buffer=1),
+        optimizer=tfdist.OptimizerConfig(name="sgd", learning_rate=0.1),
+        train=tfdist.TrainConfig(global_batch_size=32, train_steps=10, steps_per_loop=5))
+
+    def model_fn(spec):
+        model = models.build(config.model, spec)
+        model.set_weights(initial)
+        return model
+
+    single = tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+    assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
+    assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
+
+
+def _long_run(model_dir, data_dir, extra=()):
+    return [TRAIN, "--strategy=multi_worker", "--model=mlp", "--model_width=32",
+            "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=20",
+            "--keep_checkpoints=100", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+            "--collective_timeout_s=20", *extra]
+
+
+def _wait_for_checkpoint(model_dir, proc, deadline_s=150):
+    deadline = time.monotonic() + deadline_s
+    while not checkpointing.saved_steps(model_dir):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+def test_killed_worker_stops_everything(tmp_path, data_dir):
+    model_dir = str(tmp_path / "run")
+    proc = _launch(["--workers=2"], _long_run(model_dir, data_dir, ["--train_steps=100000"]),
+                   timeout=300)
+    try:
+        _wait_for_checkpoint(model_dir, proc)
+        workers = sorted(_children(proc.pid))
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=20 + 15)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "worker 1 was killed by signal SIGKILL" in err, err[-3000:]
+    assert stopped_after < 20 + 10  # collective_timeout_s + margin (a hang fails the test)
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+@pytest.mark.timeout(400)
+def test_restart_resumes_and_finishes_exactly(tmp_path, data_dir):
+    model_dir = str(tmp_path / "run")
+    proc = _launch(["--workers=2", "--max_restarts=1"],
+                   _long_run(model_dir, data_dir, ["--train_steps=200"]), timeout=400)
+    try:
+        _wait_for_checkpoint(model_dir, proc)
+        os.kill(sorted(_children(proc.pid))[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=350)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting all workers (restart 1 of 1)" in err
+    summary = json.loads([l for l in out.splitlines() if l.startswith("[worker 0] {")][-1]
+                         .split(" ", 2)[2])
+    assert summary["steps"] == 200 and summary["workers"] == 2
+    assert checkpointing.saved_steps(model_dir) == list(range(20, 201, 20))  # none lost or repeated
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "summary.json"]
+
+
+BAD_TF_CONFIGS = [
+    ("{not json", "TF_CONFIG: not valid JSON"),
+    ('{"task": {"type": "worker", "index": 0}}', "TF_CONFIG: missing or empty 'cluster'"),
+    ('{"cluster": {"worker": ["localhost:1234"]}}', "TF_CONFIG: missing 'task'"),
+    ('{"cluster": {"ps": ["localhost:1234"]}, "task": {"type": "ps", "index": 0}}',
+     "TF_CONFIG: cluster has task type 'ps'; valid: chief, worker"),
+    ('{"cluster": {"worker": ["localhost:1234"]}, "task": {"type": "worker", "index": 3}}',
+     "TF_CONFIG: task.index=3 is out of range for 1 worker task(s) (valid: 0-0)"),
+    ('{"cluster": {"worker": ["localhost:1234", "localhost:1234"]}, '
+     '"task": {"type": "worker", "index": 0}}',
+     "TF_CONFIG: address localhost:1234 appears more than once"),
+    ('{"cluster": {"worker": ["localhost:99999"]}, "task": {"type": "worker", "index": 0}}',
+     "is not host:port with a port in 1-65535"),
+    ('{"cluster": {"worker": ["192.0.2.10:1234", "localhost:1235"]}, '
+     '"task": {"type": "worker", "index": 0}}',
+     "this task's address 192.0.2.10:1234 (worker 0) is not an address of this machine"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_TF_CONFIGS)
+def test_bad_tf_config_is_rejected(text, message):
+    with pytest.raises(UsageError, match=None) as caught:
+        cluster.parse_tf_config(text)
+    assert message in str(caught.value)
+
+
+def test_bad_tf_config_exits_2_without_waiting(tmp_path):
+    for text, message in BAD_TF_CONFIGS[::3]:
+        result = run_cli(["--strategy=multi_worker", "--model=mlp", "--train_steps=1"],
+                         env={"TF_CONFIG": text}, timeout=60)
+        assert result.returncode == 2, result.stderr[-2000:]
+        errors = [l for l in result.stderr.splitlines() if "error:" in l]
+        assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+
+
+def test_worker_hosts_writes_tf_config():
+    environ = {}
+    spec = cluster.resolve(("localhost:2001", "localhost:2002"), 1, environ=environ)
+    assert json.loads(environ["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
+    assert spec.num_workers == 2 and spec.worker_index == 1 and not spec.is_chief
+    with pytest.raises(UsageError, match="--task_index=2 is out of range"):
+        cluster.resolve(("localhost:2001", "localhost:2002"), 2, environ={})
+    with pytest.raises(UsageError, match="needs --task_index"):
+        cluster.resolve(("localhost:2001",), None, environ={})
+
+
+@pytest.mark.timeout(120)
+def test_peer_that_never_starts_fails_within_timeout(tmp_path):
+    tf_config = json.dumps({"cluster": {"worker": ["localhost:23986", "localhost:23987"]},
+                            "task": {"type": "worker", "index": 0}})
+    started = time.monotonic()
+    result = run_cli(["--strategy=multi_worker", "--model=mlp", "--train_steps=1",
+                      "--collective_timeout_s=8"], env={"TF_CONFIG": tf_config}, timeout=90)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 8 + 30
+    assert ("the cluster did not form within --collective_timeout_s=8s; unreachable: "
+            "worker 1 (localhost:23987)") in result.stderr
