@@ -32,3 +32,11 @@ def test_demo_reaches_90_percent_on_a_shortened_run(data_dir):
     assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
     assert summary["steps"] == 200
     assert summary["accuracy"] >= 0.90, summary
+
+
+def test_every_canned_config_parses():
+    configs = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".cfg"))
+    assert "demo.cfg" in configs and len(configs) >= 4
+    for name in configs:
+        config = _demo_config(f"--flagfile={os.path.join(REPO, 'configs', name)}")
+        assert config.train.global_batch_size > 0, name
