@@ -38,3 +38,25 @@ def assert_weights_close(a, b, rtol=1e-5, atol=1e-7):
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=f"weight {i}")
+
+
+def mw_config(strategy, steps=10):
+    """The run tests/mw_worker.py makes (no shuffling: batches in file order)."""
+    return tfdist.RunConfig(
+        strategy=tfdist.StrategyConfig(name=strategy, collective_timeout_s=60),
+        model=tfdist.ModelConfig(name="mlp", width=16, depth=1),
+        data=tfdist.DataConfig(shuffle_buffer=1),
+        optimizer=tfdist.OptimizerConfig(name="sgd", learning_rate=0.1),
+        train=tfdist.TrainConfig(global_batch_size=32, train_steps=steps, steps_per_loop=5))
+
+
+def train_from(config, initial):
+    """`tfdist.train` on the test images, starting from the `initial` weights."""
+    from tfdist import models
+
+    def model_fn(spec):
+        model = models.build(config.model, spec)
+        model.set_weights(initial)
+        return model
+
+    return tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)

@@ -22,7 +22,7 @@ QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--strategy=bogus"], "--strategy='bogus' is not a registered strategy; valid: default, mirrored"),
+    (["--strategy=bogus"], "--strategy='bogus' is not a registered strategy; valid: default, horovod, mirrored, multi_worker"),
     (["--model=bogus"], "--model='bogus' is not a registered model; valid: cnn, mlp, transformer"),
     (["--global_batch_size=0"], "--global_batch_size=0"),
     (["--train_steps=-3"], "--train_steps=-3"),

@@ -10,11 +10,10 @@ import time
 import numpy as np
 import pytest
 
-import tfdist
 from tfdist import checkpointing, cluster, models
 from tfdist.errors import UsageError
 
-from common import IMAGE_SPEC, assert_weights_close, image_dataset_fn
+from common import IMAGE_SPEC, assert_weights_close, mw_config, train_from
 from conftest import BIN, REPO, run_cli
 
 pytestmark = pytest.mark.integration
@@ -33,34 +32,30 @@ def _children(pid):
     return [int(p) for p in out.split()]
 
 
-@pytest.mark.timeout(240)
-def test_two_workers_match_single_process(tmp_path):
-    spec_model = tfdist.ModelConfig(name="mlp", width=16, depth=1)
-    initial = models.build(spec_model, IMAGE_SPEC).get_weights()
+def run_workers(launcher_args, tmp_path, strategy, steps=10):
+    """Train `steps` on 2 processes; return each worker's final weights and the initial ones."""
+    initial = models.build(mw_config(strategy).model, IMAGE_SPEC).get_weights()
     np.savez(tmp_path / "initial.npz", *initial)
-    proc = _launch(["--workers=2"], [sys.executable, "tests/mw_worker.py", str(tmp_path),
-                                     "multi_worker", "10"], timeout=200)
-    out, err = proc.communicate(timeout=200)
-    assert proc.returncode == 0, err[-3000:]
-    workers = [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run([*launcher_args, sys.executable, "tests/mw_worker.py", str(tmp_path),
+                             strategy, str(steps)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)], initial
+
+
+def assert_match_single_device(workers, initial, steps=10):
     for a, b in zip(*workers):
-        np.testing.assert_array_equal(a, b)  # workers are identical, bit for bit
-
-    # The same 10 global batches on one device, in this process.
-    config = tfdist.RunConfig(
-        strategy=tfdist.StrategyConfig(name="default"), model=spec_model,
-        data=tfdist.DataConfig(shuffle_buffer=1),
-        optimizer=tfdist.OptimizerConfig(name="sgd", learning_rate=0.1),
-        train=tfdist.TrainConfig(global_batch_size=32, train_steps=10, steps_per_loop=5))
-
-    def model_fn(spec):
-        model = models.build(config.model, spec)
-        model.set_weights(initial)
-        return model
-
-    single = tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+        np.testing.assert_array_equal(a, b)  # the processes are identical, bit for bit
+    single = train_from(mw_config("default", steps), initial)  # same global batches, 1 device
     assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
     assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_match_single_process(tmp_path):
+    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker")
+    assert_match_single_device(workers, initial)
 
 
 def _long_run(model_dir, data_dir, extra=()):

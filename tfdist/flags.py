@@ -17,7 +17,8 @@ from tfdist.errors import UsageError
 _STRATEGY = flags.DEFINE_string(
     "strategy", "mirrored",
     "Scale-out engine: default (one device), mirrored (all local devices), multi_worker "
-    "(MultiWorkerMirroredStrategy over TF_CONFIG / --worker_hosts / Slurm).")
+    "(MultiWorkerMirroredStrategy over TF_CONFIG / --worker_hosts / Slurm), horovod "
+    "(Horovod ranks under horovodrun; `make horovod` builds it).")
 _VIRTUAL_DEVICES = flags.DEFINE_integer(
     "virtual_devices", 2,
     "On a host without GPUs, split the CPU into this many logical devices so "

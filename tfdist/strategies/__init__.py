@@ -16,6 +16,7 @@ _REGISTRY = {
     "default": "tfdist.strategies.default:DefaultStrategy",
     "mirrored": "tfdist.strategies.mirrored:MirroredStrategy",
     "multi_worker": "tfdist.strategies.multi_worker:MultiWorkerStrategy",
+    "horovod": "tfdist.strategies.horovod:HorovodStrategy",
 }
 
 

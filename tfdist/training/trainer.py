@@ -136,6 +136,10 @@ class Trainer:
     def _train_loop_fn(self, iterator, num_steps):
         totals = tf.zeros([4])
         for _ in tf.range(num_steps):
+            # Steps are sequential by nature (each reads the last update); also
+            # say so to the while loop, or it may start the next step's
+            # collectives early, which engines that name them (Horovod) refuse.
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
             totals += self.strategy.run(self._replica_train_step, next(iterator))
         if self.strategy.num_replicas > 1:
             self.strategy.run(self._replica_sync_state)
@@ -144,6 +148,7 @@ class Trainer:
     def _eval_loop_fn(self, iterator, num_steps):
         totals = tf.zeros([4])
         for _ in tf.range(num_steps):
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
             totals += self.strategy.run(self._replica_eval_step, next(iterator))
         return totals
 
