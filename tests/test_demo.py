@@ -40,3 +40,12 @@ def test_every_canned_config_parses():
     for name in configs:
         config = _demo_config(f"--flagfile={os.path.join(REPO, 'configs', name)}")
         assert config.train.global_batch_size > 0, name
+
+
+def test_readme_documents_every_flag():
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    defined = [flag.name for flag in flags.FLAGS.get_flags_for_module(tfdist_flags)]
+    assert len(defined) > 20
+    missing = [name for name in defined if f"`--{name}`" not in readme]
+    assert not missing, f"README flag reference lacks {missing}"
