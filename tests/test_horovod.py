@@ -5,6 +5,7 @@ missing Horovod fails these tests instead of skipping them.
 """
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -42,13 +43,19 @@ def test_horovod_checkpoint_restores_under_default_and_mirrored(tmp_path, data_d
     model_dir = str(tmp_path / "run")
     args = ["--strategy=horovod", "--model=mlp", "--model_width=16", "--model_depth=1",
             "--global_batch_size=32", "--train_steps=20", "--steps_per_loop=10",
-            f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+            "--grad_compression=fp16", f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert checkpointing.saved_steps(model_dir) == [20]
     assert sorted(os.listdir(model_dir)) == ["checkpoints", "summary.json"]
+    with open(os.path.join(model_dir, "summary.json")) as f:
+        summary = json.load(f)
+    # fp16 gradients on the wire: half of the float32 parameter bytes.
+    assert summary["grad_compression"] == "fp16" and summary["replicas"] == 2
+    parameters = (32 * 32 * 3 + 1) * 16 + (16 + 1) * 10
+    assert summary["bytes_reduced_per_update"] == parameters * 2
     probe = np.random.default_rng(3).uniform(size=(8, 32, 32, 3)).astype(np.float32)
     predictions = []
     for strategy in ("default", "mirrored"):

@@ -122,11 +122,13 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
                       inputs=inputs, checkpointer_factory=checkpointer_factory)
     if strategy.is_chief:
         logging.info("%s | model %s (%d parameters) | dataset %s | global batch %d = %d "
-                     "replica(s) x %d%s | %d steps", strategy.describe(), model.name,
+                     "replica(s) x %d%s | %d steps | %.2f MB of gradients reduced per update "
+                     "(%s)", strategy.describe(), model.name,
                      model.count_params(), inputs.spec.name, tc.global_batch_size,
                      strategy.num_replicas, tc.global_batch_size // strategy.num_replicas,
                      f" ({tc.accum_steps} micro-batches)" if tc.accum_steps > 1 else "",
-                     trainer.total_steps)
+                     trainer.total_steps, trainer.bytes_per_update / 1e6,
+                     tc.grad_compression if tc.grad_compression != "none" else "float32")
     try:
         metrics = trainer.fit()
     except tf.errors.OpError as error:
@@ -144,6 +146,8 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
         "accuracy": metrics.get("test_accuracy"),
         "test_loss": metrics.get("test_loss"),
         "examples_per_sec": metrics.get("examples_per_sec"),
+        "grad_compression": tc.grad_compression,
+        "bytes_reduced_per_update": trainer.bytes_per_update,
     }
     if strategy.is_chief and tc.model_dir:
         write_summary(tc.model_dir, summary)

@@ -16,6 +16,7 @@ from tfdist.errors import ConfigError
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 COLLECTIVES = ("auto", "ring", "nccl")
 AUTOSHARD = ("auto", "file", "data", "off")
+GRAD_COMPRESSION = ("none", "fp16", "bf16")
 
 
 def _positive(name: str, value, allow_none: bool = False) -> None:
@@ -123,6 +124,7 @@ class TrainConfig:
     epochs: Optional[int] = None
     steps_per_loop: int = 50            # steps run inside one tf.function call
     accum_steps: int = 1                # micro-batches per update (gradient accumulation)
+    grad_compression: str = "none"      # none | fp16 | bf16: dtype of the cross-replica sum
     eval_every: int = 0                 # steps between evaluations; 0: only at the end
     log_every: int = 0                  # steps between log lines; 0: every loop
     checkpoint_every: int = 0           # steps between checkpoints; 0: only at the end
@@ -140,6 +142,9 @@ class TrainConfig:
         _positive("epochs", self.epochs, allow_none=True)
         _positive("steps_per_loop", self.steps_per_loop)
         _positive("accum_steps", self.accum_steps)
+        if self.grad_compression not in GRAD_COMPRESSION:
+            raise ConfigError(f"grad_compression={self.grad_compression!r} is not known; "
+                              f"valid: {', '.join(GRAD_COMPRESSION)}")
         _non_negative("eval_every", self.eval_every)
         _non_negative("log_every", self.log_every)
         _non_negative("checkpoint_every", self.checkpoint_every)

@@ -73,6 +73,10 @@ _STEPS_PER_LOOP = flags.DEFINE_integer(
 _ACCUM_STEPS = flags.DEFINE_integer(
     "accum_steps", 1, "Micro-batches per update (gradient accumulation); gradients are reduced "
     "across replicas once per update.", lower_bound=1)
+_GRAD_COMPRESSION = flags.DEFINE_enum(
+    "grad_compression", "none", list(config_lib.GRAD_COMPRESSION),
+    "Cast gradients to this dtype for the cross-replica sum (halves the bytes reduced), "
+    "back to the variables' dtype after; every strategy.")
 _EVAL_EVERY = flags.DEFINE_integer(
     "eval_every", 0, "Evaluate on the test split every N steps (0: only at the end).", lower_bound=0)
 _LOG_EVERY = flags.DEFINE_integer(
@@ -125,7 +129,8 @@ def run_config() -> config_lib.RunConfig:
             train=config_lib.TrainConfig(
                 global_batch_size=_GLOBAL_BATCH_SIZE.value, train_steps=train_steps,
                 epochs=_EPOCHS.value, steps_per_loop=_STEPS_PER_LOOP.value,
-                accum_steps=_ACCUM_STEPS.value, eval_every=_EVAL_EVERY.value,
+                accum_steps=_ACCUM_STEPS.value, grad_compression=_GRAD_COMPRESSION.value,
+                eval_every=_EVAL_EVERY.value,
                 log_every=_LOG_EVERY.value, checkpoint_every=_CHECKPOINT_EVERY.value,
                 keep_checkpoints=_KEEP_CHECKPOINTS.value, model_dir=_MODEL_DIR.value,
                 seed=_SEED.value),

@@ -94,16 +94,26 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def _all_reduce_sum(self, tensors: Sequence) -> list:
-        """Engine-specific cross-replica sum of a list of tensors."""
+        """Engine-specific cross-replica sum of a list of tensors of one dtype."""
 
     def all_reduce_sum(self, tensors: Sequence) -> list:
         """Sum `tensors` over all replicas (called in replica context).
 
-        One call is one collective (the engines pack the list); the trainer
-        makes exactly one per update for gradients and metrics together.
+        One call is one reduction (the engines pack the list into as few
+        collectives as they can, one per dtype, since packing concatenates);
+        the trainer makes exactly one per update, gradients and metrics together.
         """
         self.reductions_traced += 1
-        return self._all_reduce_sum(list(tensors))
+        tensors = list(tensors)
+        by_dtype = {}
+        for position, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(position)
+        reduced = [None] * len(tensors)
+        for positions in by_dtype.values():
+            summed = self._all_reduce_sum([tensors[p] for p in positions])
+            for position, value in zip(positions, summed):
+                reduced[position] = value
+        return reduced
 
     def describe_fault(self, error: Exception) -> str:
         """One line naming what failed, for an engine error during training."""

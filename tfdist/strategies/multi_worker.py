@@ -140,7 +140,7 @@ class MultiWorkerStrategy(TFDistributeStrategy):
                 first_replica = tf.equal(context.replica_id_in_sync_group, 0)
                 keep = tf.logical_and(chief, first_replica)
                 values = [tf.convert_to_tensor(v) for v in variables]
-                return self._all_reduce_sum([tf.where(keep, v, tf.zeros_like(v)) for v in values])
+                return self.all_reduce_sum([tf.where(keep, v, tf.zeros_like(v)) for v in values])
 
             summed = self._strategy.run(replica_fn)
             for variable, total in zip(variables, summed):

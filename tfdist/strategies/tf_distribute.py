@@ -47,16 +47,5 @@ class TFDistributeStrategy(Strategy):
             lambda v: self._strategy.experimental_local_results(v)[0], per_replica)
 
     def _all_reduce_sum(self, tensors):
-        """One all-reduce per dtype: the collective implementation packs a
-        list by concatenating it, which needs a single dtype."""
         context = tf.distribute.get_replica_context()
-        by_dtype = {}
-        for position, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(position)
-        reduced = [None] * len(tensors)
-        for positions in by_dtype.values():
-            summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                        [tensors[p] for p in positions])
-            for position, value in zip(positions, summed):
-                reduced[position] = value
-        return reduced
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)

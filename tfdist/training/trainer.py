@@ -21,6 +21,7 @@ from tfdist.checkpointing import Checkpointer
 from tfdist.data import inputs as inputs_lib
 from tfdist.observe.progress import Progress
 from tfdist.strategies.base import Strategy
+from tfdist.training.compression import GradientCompression
 
 # Metric counters summed across replicas: loss sum over examples, correct
 # predictions, predictions made, examples seen (weighted in evaluation).
@@ -59,6 +60,8 @@ class Trainer:
         self.inputs = inputs
         tc = self.train_config
         self.global_batch_size = tc.global_batch_size
+        self.compression = GradientCompression(tc.grad_compression)
+        self.bytes_per_update = self.compression.bytes_per_update(model.trainable_variables)
         self.total_steps = tc.train_steps or tc.epochs * self.steps_per_epoch()
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
@@ -104,9 +107,10 @@ class Trainer:
                 more, more_counters = self._micro_batch_gradients(xs[i], ys[i])
                 grads = [g + m for g, m in zip(grads, more)]
                 counters += more_counters
-        reduced = self.strategy.all_reduce_sum(list(grads) + [counters])
-        grads, counters = reduced[:-1], reduced[-1]
-        self.optimizer.apply(grads, self.model.trainable_variables)
+        variables = self.model.trainable_variables
+        reduced = self.strategy.all_reduce_sum(self.compression.compress(grads) + [counters])
+        grads, counters = self.compression.decompress(reduced[:-1], variables), reduced[-1]
+        self.optimizer.apply(grads, variables)
         return counters
 
     def _replica_sync_state(self):
