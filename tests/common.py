@@ -60,3 +60,15 @@ def train_from(config, initial):
         return model
 
     return tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+
+
+TOKEN_SPEC = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(16,), num_classes=11,
+                         train_examples=256, eval_examples=64)
+
+
+def token_dataset_fn(split, context):
+    """Random token sequences; targets are the inputs shifted by one."""
+    rng = np.random.default_rng(2 if split == "train" else 3)
+    n = TOKEN_SPEC.train_examples if split == "train" else TOKEN_SPEC.eval_examples
+    seq = rng.integers(TOKEN_SPEC.num_classes, size=(n, 17)).astype(np.int32)
+    return shard(tf.data.Dataset.from_tensor_slices((seq[:, :-1], seq[:, 1:])), context)

@@ -5,7 +5,9 @@ import pytest
 
 from tfdist import models
 
-from common import IMAGE_SPEC, assert_weights_close, run_config, train_from
+import tfdist
+from common import (IMAGE_SPEC, TOKEN_SPEC, assert_weights_close, image_dataset_fn, run_config,
+                    token_dataset_fn, train_from)
 
 
 @pytest.mark.parametrize("strategy", ["default", "mirrored"])
@@ -36,3 +38,130 @@ def test_compressed_gradients_stay_close_and_halve_the_bytes(strategy, dtype):
                                                   plain.model.get_weights())]
     assert max(diffs) < tolerance
     assert max(diffs) > 0  # the rounding really happened
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_one_cross_replica_reduction_per_update_with_accumulation(strategy):
+    """Trace one replica step with 4 micro-batches: the adapter's reduce hook
+    runs once per replica, not once per micro-batch."""
+    import tensorflow as tf
+    from tfdist import strategies
+    from tfdist.data.function_inputs import FunctionInputs
+    from tfdist.training import optimizers
+    from tfdist.training.trainer import Trainer
+
+    config = run_config(strategy, batch=64, accum_steps=4)
+    adapter = strategies.create(config.strategy)
+    adapter.setup()
+    with adapter.scope():
+        model = models.build(config.model, IMAGE_SPEC)
+        optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
+        optimizer.build(model.trainable_variables)
+    trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
+                      inputs=FunctionInputs(image_dataset_fn, IMAGE_SPEC), total_steps=5)
+    batch = (tf.zeros((64 // adapter.num_replicas, 8, 8, 3)),
+             tf.zeros((64 // adapter.num_replicas,), tf.int32))
+
+    @tf.function
+    def one_step():
+        return adapter.run(trainer._replica_train_step, batch)
+
+    before = adapter.reductions_traced
+    one_step.get_concrete_function()
+    assert adapter.reductions_traced - before == adapter.num_replicas
+
+
+def test_linear_and_sqrt_lr_scaling_rules():
+    from tfdist.training.schedules import WarmupDecay, scaled_learning_rate
+
+    assert scaled_learning_rate(0.1, "linear", 1024, 256) == pytest.approx(0.4)
+    assert scaled_learning_rate(0.1, "sqrt", 1024, 256) == pytest.approx(0.2)
+    assert scaled_learning_rate(0.1, "none", 1024, 256) == pytest.approx(0.1)
+    schedule = WarmupDecay(0.4, warmup_steps=10, total_steps=110, decay="cosine")
+    assert float(schedule(0)) == pytest.approx(0.04)
+    assert float(schedule(9)) == pytest.approx(0.4)
+    assert float(schedule(60)) == pytest.approx(0.2, rel=1e-5)
+    assert float(schedule(110)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_effective_lr_follows_replicas_and_batch():
+    """mirrored, 2 replicas x 32 = global 64, tuned at 16: linear -> x4, and the
+    optimizer really runs at that rate after warm-up."""
+    config = run_config("mirrored", learning_rate=0.01, batch=64, steps=6)
+    config = config.replace(optimizer=config.optimizer.__class__(
+        name="sgd", learning_rate=0.01, lr_scaling="linear", base_batch_size=16,
+        warmup_steps=2))
+    result = train_from(config, models.build(config.model, IMAGE_SPEC).get_weights())
+    assert result.summary["replicas"] == 2
+    assert result.summary["learning_rate"] == pytest.approx(0.04)
+    assert result.summary["final_learning_rate"] == pytest.approx(0.04)
+
+
+def test_clipping_applies_to_the_reduced_gradient():
+    """With a tiny clip norm every SGD step moves the weights by exactly
+    lr x clip_norm in global norm, under 2 replicas as under one."""
+    for strategy in ("default", "mirrored"):
+        config = run_config(strategy, learning_rate=1.0, steps=1)
+        config = config.replace(optimizer=config.optimizer.__class__(
+            name="sgd", learning_rate=1.0, clip_grad_norm=1e-3))
+        initial = models.build(config.model, IMAGE_SPEC).get_weights()
+        result = train_from(config, initial)
+        moved = np.sqrt(sum(((w - i) ** 2).sum()
+                            for w, i in zip(result.model.get_weights(), initial)))
+        assert moved == pytest.approx(1e-3, rel=1e-3), strategy
+
+
+def _poisoned_dataset_fn(split, context):
+    """The test images, with an infinite pixel in the very first example."""
+    import tensorflow as tf
+
+    def poison(index, example):
+        x, y = example
+        return tf.where(tf.equal(index, 0), x + np.inf, x), y
+
+    return image_dataset_fn(split, context).enumerate().map(poison)
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_fp16_skips_a_non_finite_step_and_adapts_the_loss_scale(strategy):
+    def fp16(steps, growth=2000):
+        return run_config(strategy, learning_rate=0.1, steps=steps, steps_per_loop=1,
+                          precision="mixed_float16", loss_scale_growth_steps=growth)
+
+    config = fp16(1, growth=2)
+    initial = models.build(config.model, IMAGE_SPEC).get_weights()
+    poisoned = tfdist.train(config.replace(data=tfdist.DataConfig(shuffle_buffer=1)),
+                            model_fn=lambda spec: _model_from(initial, config, spec),
+                            dataset_fn=_poisoned_dataset_fn, spec=IMAGE_SPEC)
+    assert poisoned.summary["loss_scale"] == 2.0 ** 14            # halved from 2^15
+    for w, i in zip(poisoned.model.get_weights(), initial):      # the update was skipped
+        np.testing.assert_array_equal(w, i)
+    clean = train_from(fp16(4, growth=2), initial)
+    assert clean.summary["loss_scale"] == 2.0 ** 17               # doubled every 2 finite steps
+    assert any(not np.array_equal(w, i) for w, i in zip(clean.model.get_weights(), initial))
+
+
+def _model_from(initial, config, spec):
+    model = models.build(config.model, spec)
+    model.set_weights(initial)
+    return model
+
+
+@pytest.mark.parametrize("model", ["cnn", "transformer"])
+def test_recompute_gives_the_same_weights(model):
+    spec, dataset_fn = ((IMAGE_SPEC, image_dataset_fn) if model == "cnn"
+                        else (TOKEN_SPEC, token_dataset_fn))
+    results = []
+    for recompute in (False, True):
+        config = run_config("mirrored", model=model, width=8, depth=1, optimizer="adam",
+                            learning_rate=0.001)
+        config = config.replace(model=tfdist.ModelConfig(name=model, width=8, depth=1,
+                                                         num_heads=2, recompute=recompute))
+        if not results:
+            initial = models.build(config.model, spec).get_weights()
+        results.append(tfdist.train(
+            config, model_fn=lambda s, c=config: _model_from(initial, c, s),
+            dataset_fn=dataset_fn, spec=spec))
+    plain, recomputed = results
+    assert_weights_close([v.numpy() for v in recomputed.model.trainable_variables],
+                         [v.numpy() for v in plain.model.trainable_variables])

@@ -26,7 +26,8 @@ from tfdist.data.function_inputs import DatasetFn, FunctionInputs
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.training import optimizers
-from tfdist.training.trainer import Trainer
+from tfdist.training.precision import Precision
+from tfdist.training.trainer import Trainer, total_steps
 
 
 @dataclasses.dataclass
@@ -102,14 +103,15 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
         check_model_dir(tc.model_dir)
     inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
     inputs.check_sharding(strategy.num_input_pipelines)
-    if tc.epochs and not inputs.spec.train_examples:
-        raise UsageError(f"--epochs={tc.epochs} needs a dataset of known size; "
-                         "set --train_steps instead")
 
+    steps = total_steps(tc, inputs.spec)
+    precision = Precision(tc.precision, loss_scale_growth_steps=tc.loss_scale_growth_steps)
     keras.utils.set_random_seed(tc.seed)
     with strategy.scope():
-        model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
-        optimizer = optimizers.create(config.optimizer)
+        with precision.policy_scope():
+            model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+        optimizer = precision.wrap_optimizer(optimizers.create(
+            config.optimizer, global_batch_size=tc.global_batch_size, total_steps=steps))
         optimizer.build(model.trainable_variables)
 
     checkpointer_factory = None
@@ -119,16 +121,21 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
                                 is_chief=strategy.is_chief, **trackables)
 
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,
-                      inputs=inputs, checkpointer_factory=checkpointer_factory)
+                      inputs=inputs, total_steps=steps, checkpointer_factory=checkpointer_factory)
+    peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
     if strategy.is_chief:
         logging.info("%s | model %s (%d parameters) | dataset %s | global batch %d = %d "
                      "replica(s) x %d%s | %d steps | %.2f MB of gradients reduced per update "
-                     "(%s)", strategy.describe(), model.name,
+                     "(%s) | precision %s | peak learning rate %g (%s scaling from %g at batch "
+                     "%d, %d warm-up steps, %s)", strategy.describe(), model.name,
                      model.count_params(), inputs.spec.name, tc.global_batch_size,
                      strategy.num_replicas, tc.global_batch_size // strategy.num_replicas,
                      f" ({tc.accum_steps} micro-batches)" if tc.accum_steps > 1 else "",
                      trainer.total_steps, trainer.bytes_per_update / 1e6,
-                     tc.grad_compression if tc.grad_compression != "none" else "float32")
+                     tc.grad_compression if tc.grad_compression != "none" else "float32",
+                     tc.precision, peak_lr, config.optimizer.lr_scaling,
+                     config.optimizer.learning_rate, config.optimizer.base_batch_size,
+                     config.optimizer.warmup_steps, config.optimizer.lr_decay)
     try:
         metrics = trainer.fit()
     except tf.errors.OpError as error:
@@ -146,6 +153,10 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
         "accuracy": metrics.get("test_accuracy"),
         "test_loss": metrics.get("test_loss"),
         "examples_per_sec": metrics.get("examples_per_sec"),
+        "precision": tc.precision,
+        "learning_rate": peak_lr,
+        "final_learning_rate": optimizers.current_learning_rate(optimizer),
+        "loss_scale": Precision.loss_scale(optimizer),
         "grad_compression": tc.grad_compression,
         "bytes_reduced_per_update": trainer.bytes_per_update,
     }

@@ -17,6 +17,14 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 COLLECTIVES = ("auto", "ring", "nccl")
 AUTOSHARD = ("auto", "file", "data", "off")
 GRAD_COMPRESSION = ("none", "fp16", "bf16")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+LR_SCALING = ("none", "linear", "sqrt")
+LR_DECAY = ("constant", "cosine")
+
+
+def _one_of(name: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name}={value!r} is not known; valid: {', '.join(valid)}")
 
 
 def _positive(name: str, value, allow_none: bool = False) -> None:
@@ -66,6 +74,7 @@ class ModelConfig:
     width: int = 32          # hidden units (mlp), base channels (cnn), model dim (transformer)
     depth: int = 2           # hidden layers (mlp), residual blocks per stage (cnn), blocks (transformer)
     num_heads: int = 4       # transformer attention heads
+    recompute: bool = False  # recompute each block's activations in the backward pass
 
     def __post_init__(self):
         _positive("width", self.width)
@@ -102,6 +111,13 @@ class OptimizerConfig:
     learning_rate: float = 1e-3
     momentum: float = 0.9            # used by `momentum`
     weight_decay: float = 1e-4       # used by `adamw`
+    # learning_rate is tuned for base_batch_size; the peak rate follows the
+    # global batch by lr_scaling, reached by a linear warm-up, then lr_decay.
+    lr_scaling: str = "none"
+    base_batch_size: int = 128
+    warmup_steps: int = 0
+    lr_decay: str = "constant"
+    clip_grad_norm: Optional[float] = None   # global-norm clipping of the reduced gradient
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -113,6 +129,12 @@ class OptimizerConfig:
             raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1)")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        _one_of("lr_scaling", self.lr_scaling, LR_SCALING)
+        _one_of("lr_decay", self.lr_decay, LR_DECAY)
+        _positive("base_batch_size", self.base_batch_size)
+        _non_negative("warmup_steps", self.warmup_steps)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +147,8 @@ class TrainConfig:
     steps_per_loop: int = 50            # steps run inside one tf.function call
     accum_steps: int = 1                # micro-batches per update (gradient accumulation)
     grad_compression: str = "none"      # none | fp16 | bf16: dtype of the cross-replica sum
+    precision: str = "float32"          # float32 | mixed_bfloat16 | mixed_float16
+    loss_scale_growth_steps: int = 2000  # mixed_float16: finite steps before the scale doubles
     eval_every: int = 0                 # steps between evaluations; 0: only at the end
     log_every: int = 0                  # steps between log lines; 0: every loop
     checkpoint_every: int = 0           # steps between checkpoints; 0: only at the end
@@ -142,9 +166,9 @@ class TrainConfig:
         _positive("epochs", self.epochs, allow_none=True)
         _positive("steps_per_loop", self.steps_per_loop)
         _positive("accum_steps", self.accum_steps)
-        if self.grad_compression not in GRAD_COMPRESSION:
-            raise ConfigError(f"grad_compression={self.grad_compression!r} is not known; "
-                              f"valid: {', '.join(GRAD_COMPRESSION)}")
+        _one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
+        _one_of("precision", self.precision, PRECISIONS)
+        _positive("loss_scale_growth_steps", self.loss_scale_growth_steps)
         _non_negative("eval_every", self.eval_every)
         _non_negative("log_every", self.log_every)
         _non_negative("checkpoint_every", self.checkpoint_every)

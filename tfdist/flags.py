@@ -88,6 +88,32 @@ _LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Learning rate.", low
 _MOMENTUM = flags.DEFINE_float("momentum", 0.9, "Momentum (optimizer=momentum).")
 _WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 1e-4, "Weight decay (optimizer=adamw).")
 
+_LR_SCALING = flags.DEFINE_enum(
+    "lr_scaling", "none", list(config_lib.LR_SCALING),
+    "Scale --learning_rate (tuned at --base_batch_size) to the global batch: linear "
+    "(lr x global/base) or sqrt (lr x sqrt(global/base)).")
+_BASE_BATCH_SIZE = flags.DEFINE_integer(
+    "base_batch_size", 128, "The batch size --learning_rate was tuned for (--lr_scaling).",
+    lower_bound=1)
+_WARMUP_STEPS = flags.DEFINE_integer(
+    "warmup_steps", 0, "Linear learning-rate warm-up from 0 over this many steps.", lower_bound=0)
+_LR_DECAY = flags.DEFINE_enum(
+    "lr_decay", "constant", list(config_lib.LR_DECAY),
+    "After warm-up: constant, or cosine decay to 0 at the last step.")
+_CLIP_GRAD_NORM = flags.DEFINE_float(
+    "clip_grad_norm", None, "Clip the global norm of the (cross-replica summed) gradient.",
+    lower_bound=0.0)
+_PRECISION = flags.DEFINE_enum(
+    "precision", "float32", list(config_lib.PRECISIONS),
+    "Keras dtype policy: float32, mixed_bfloat16, or mixed_float16 (with dynamic loss "
+    "scaling). Logits and loss stay float32.")
+_LOSS_SCALE_GROWTH_STEPS = flags.DEFINE_integer(
+    "loss_scale_growth_steps", 2000, "mixed_float16: finite steps before the loss scale "
+    "doubles (a non-finite step halves it and is skipped).", lower_bound=1)
+_RECOMPUTE = flags.DEFINE_boolean(
+    "recompute", False, "Gradient checkpointing: recompute the activations of each block "
+    "(cnn, transformer) in the backward pass instead of keeping them.")
+
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", None, "Directory for checkpoints and summary.json; a run resumes from its "
     "latest checkpoint. Default: none (nothing written).")
@@ -119,17 +145,22 @@ def run_config() -> config_lib.RunConfig:
                 task_index=_TASK_INDEX.value),
             model=config_lib.ModelConfig(
                 name=_MODEL.value, width=_MODEL_WIDTH.value, depth=_MODEL_DEPTH.value,
-                num_heads=_NUM_HEADS.value),
+                num_heads=_NUM_HEADS.value, recompute=_RECOMPUTE.value),
             data=config_lib.DataConfig(
                 dataset=_DATASET.value, data_dir=_DATA_DIR.value, synthetic=_SYNTHETIC.value,
                 shuffle_buffer=_SHUFFLE_BUFFER.value, autoshard=_AUTOSHARD.value),
             optimizer=config_lib.OptimizerConfig(
                 name=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
-                momentum=_MOMENTUM.value, weight_decay=_WEIGHT_DECAY.value),
+                momentum=_MOMENTUM.value, weight_decay=_WEIGHT_DECAY.value,
+                lr_scaling=_LR_SCALING.value, base_batch_size=_BASE_BATCH_SIZE.value,
+                warmup_steps=_WARMUP_STEPS.value, lr_decay=_LR_DECAY.value,
+                clip_grad_norm=_CLIP_GRAD_NORM.value),
             train=config_lib.TrainConfig(
                 global_batch_size=_GLOBAL_BATCH_SIZE.value, train_steps=train_steps,
                 epochs=_EPOCHS.value, steps_per_loop=_STEPS_PER_LOOP.value,
                 accum_steps=_ACCUM_STEPS.value, grad_compression=_GRAD_COMPRESSION.value,
+                precision=_PRECISION.value,
+                loss_scale_growth_steps=_LOSS_SCALE_GROWTH_STEPS.value,
                 eval_every=_EVAL_EVERY.value,
                 log_every=_LOG_EVERY.value, checkpoint_every=_CHECKPOINT_EVERY.value,
                 keep_checkpoints=_KEEP_CHECKPOINTS.value, model_dir=_MODEL_DIR.value,

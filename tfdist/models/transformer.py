@@ -1,6 +1,6 @@
 """`transformer`: a small causal Transformer decoder for next-token prediction.
 
-Pre-norm blocks of causal multi-head self-attention and a GELU FFN (4x),
+Pre-norm blocks (`DecoderBlock`) of causal multi-head self-attention and a GELU FFN (4x),
 token plus learned position embeddings, logits over the vocabulary at every
 position.
 """
@@ -9,6 +9,7 @@ import keras
 from keras import layers, ops
 
 from tfdist.errors import UsageError
+from tfdist.models.blocks import Block
 
 DATA_KINDS = ("tokens",)
 
@@ -25,16 +26,21 @@ class PositionEmbedding(layers.Layer):
         return x + ops.cast(self.embedding(positions), x.dtype)
 
 
-def _block(x, config, name):
-    key_dim = config.width // config.num_heads
-    y = layers.LayerNormalization(epsilon=1e-5, name=f"{name}_ln1")(x)
-    y = layers.MultiHeadAttention(config.num_heads, key_dim, name=f"{name}_attn")(
-        y, y, use_causal_mask=True)
-    x = layers.Add()([x, y])
-    y = layers.LayerNormalization(epsilon=1e-5, name=f"{name}_ln2")(x)
-    y = layers.Dense(4 * config.width, activation="gelu", name=f"{name}_ffn_in")(y)
-    y = layers.Dense(config.width, name=f"{name}_ffn_out")(y)
-    return layers.Add()([x, y])
+class DecoderBlock(Block):
+    """Pre-norm causal self-attention and a 4x GELU FFN, each with a residual."""
+
+    def __init__(self, width, num_heads, **kwargs):
+        super().__init__(**kwargs)
+        self.ln1 = layers.LayerNormalization(epsilon=1e-5, name="ln1")
+        self.attention = layers.MultiHeadAttention(num_heads, width // num_heads, name="attn")
+        self.ln2 = layers.LayerNormalization(epsilon=1e-5, name="ln2")
+        self.ffn_in = layers.Dense(4 * width, activation="gelu", name="ffn_in")
+        self.ffn_out = layers.Dense(width, name="ffn_out")
+
+    def forward(self, x, training=None):
+        y = self.ln1(x)
+        x = x + self.attention(y, y, use_causal_mask=True, training=training)
+        return x + self.ffn_out(self.ffn_in(self.ln2(x)))
 
 
 def build(config, spec) -> keras.Model:
@@ -46,7 +52,8 @@ def build(config, spec) -> keras.Model:
     x = layers.Embedding(spec.num_classes, config.width, name="token_embedding")(inputs)
     x = PositionEmbedding(length, config.width, name="position_embedding")(x)
     for i in range(config.depth):
-        x = _block(x, config, name=f"block{i}")
+        x = DecoderBlock(config.width, config.num_heads, recompute=config.recompute,
+                         name=f"block{i}")(x)
     x = layers.LayerNormalization(epsilon=1e-5, name="final_ln")(x)
     logits = layers.Dense(spec.num_classes, dtype="float32", name="logits")(x)
     return keras.Model(inputs, logits, name="transformer")

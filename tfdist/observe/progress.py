@@ -7,13 +7,19 @@ import sys
 from absl import logging
 
 # Shown as their latest value, not averaged over the run.
-_METRICS = ("loss", "accuracy", "examples_per_sec", "test_loss", "test_accuracy")
+_METRICS = ("loss", "accuracy", "examples_per_sec", "test_loss", "test_accuracy",
+            "learning_rate", "loss_scale")
 
 
 def _format(metrics: dict) -> str:
     parts = []
     for key, value in metrics.items():
-        parts.append(f"{key}={value:.1f}" if key == "examples_per_sec" else f"{key}={value:.4f}")
+        if key in ("examples_per_sec", "loss_scale"):
+            parts.append(f"{key}={value:.1f}")
+        elif key == "learning_rate":
+            parts.append(f"{key}={value:.3g}")
+        else:
+            parts.append(f"{key}={value:.4f}")
     return " ".join(parts)
 
 

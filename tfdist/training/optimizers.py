@@ -3,22 +3,44 @@
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 
 from tfdist.config import OptimizerConfig
+from tfdist.training import schedules
 
 
-def create(config: OptimizerConfig, learning_rate=None) -> keras.optimizers.Optimizer:
-    """The optimizer `config` names; `learning_rate` may be a schedule."""
-    lr = config.learning_rate if learning_rate is None else learning_rate
+def peak_learning_rate(config: OptimizerConfig, global_batch_size: int) -> float:
+    return schedules.scaled_learning_rate(config.learning_rate, config.lr_scaling,
+                                          global_batch_size, config.base_batch_size)
+
+
+def create(config: OptimizerConfig, *, global_batch_size: int,
+           total_steps: int) -> keras.optimizers.Optimizer:
+    """The optimizer `config` names, with its learning-rate schedule.
+
+    Clipping (`global_clipnorm`) runs inside `apply`, i.e. after the
+    cross-replica sum, so every replica clips the same gradient.
+    """
+    lr = config.learning_rate
+    if config.lr_scaling != "none" or config.warmup_steps or config.lr_decay != "constant":
+        lr = schedules.WarmupDecay(peak_learning_rate(config, global_batch_size),
+                                   warmup_steps=config.warmup_steps, total_steps=total_steps,
+                                   decay=config.lr_decay)
+    common = {"global_clipnorm": config.clip_grad_norm}
     if config.name == "sgd":
-        optimizer = keras.optimizers.SGD(lr)
+        optimizer = keras.optimizers.SGD(lr, **common)
     elif config.name == "momentum":
-        optimizer = keras.optimizers.SGD(lr, momentum=config.momentum)
+        optimizer = keras.optimizers.SGD(lr, momentum=config.momentum, **common)
     elif config.name == "adam":
-        optimizer = keras.optimizers.Adam(lr)
+        optimizer = keras.optimizers.Adam(lr, **common)
     else:
-        optimizer = keras.optimizers.AdamW(lr, weight_decay=config.weight_decay)
+        optimizer = keras.optimizers.AdamW(lr, weight_decay=config.weight_decay, **common)
     return without_builtin_reduction(optimizer)
+
+
+def current_learning_rate(optimizer) -> float:
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return float(tf.convert_to_tensor(inner.learning_rate).numpy())
 
 
 def without_builtin_reduction(optimizer: keras.optimizers.Optimizer):

@@ -21,7 +21,10 @@ from tfdist.checkpointing import Checkpointer
 from tfdist.data import inputs as inputs_lib
 from tfdist.observe.progress import Progress
 from tfdist.strategies.base import Strategy
+from tfdist.errors import UsageError
+from tfdist.training import optimizers
 from tfdist.training.compression import GradientCompression
+from tfdist.training.precision import Precision
 
 # Metric counters summed across replicas: loss sum over examples, correct
 # predictions, predictions made, examples seen (weighted in evaluation).
@@ -46,12 +49,22 @@ def _counters(y, logits, per_example_loss, weights):
     ])
 
 
+def total_steps(train_config, spec) -> int:
+    """The final global step: `train_steps`, or `epochs` over the train split."""
+    if train_config.train_steps:
+        return train_config.train_steps
+    if not spec.train_examples:
+        raise UsageError(f"--epochs={train_config.epochs} needs a dataset of known size; "
+                         "set --train_steps instead")
+    return train_config.epochs * max(1, spec.train_examples // train_config.global_batch_size)
+
+
 class Trainer:
     """Trains `model` on `inputs` under `strategy`; see `fit()`."""
 
     def __init__(self, *, config, strategy: Strategy, model: keras.Model,
                  optimizer: keras.optimizers.Optimizer, inputs: inputs_lib.Inputs,
-                 checkpointer_factory=None):
+                 total_steps: int, checkpointer_factory=None):
         self.config = config
         self.train_config = config.train
         self.strategy = strategy
@@ -62,7 +75,7 @@ class Trainer:
         self.global_batch_size = tc.global_batch_size
         self.compression = GradientCompression(tc.grad_compression)
         self.bytes_per_update = self.compression.bytes_per_update(model.trainable_variables)
-        self.total_steps = tc.train_steps or tc.epochs * self.steps_per_epoch()
+        self.total_steps = total_steps
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -72,12 +85,6 @@ class Trainer:
                 model=model, optimizer=optimizer, step=self.step)
         self._train_loop = tf.function(self._train_loop_fn)
         self._eval_loop = tf.function(self._eval_loop_fn)
-
-    def steps_per_epoch(self) -> int:
-        examples = self.inputs.spec.train_examples
-        if not examples:
-            raise ValueError("epochs need a dataset of known size; set train_steps instead")
-        return max(1, examples // self.global_batch_size)
 
     # -- replica steps (run on every replica inside tf.function) -----------
     def _micro_batch_gradients(self, x, y):
@@ -91,7 +98,10 @@ class Trainer:
             if self.model.losses:
                 regularization = tf.add_n(self.model.losses)
                 loss += regularization / (self.strategy.num_replicas * self.train_config.accum_steps)
-        grads = tape.gradient(loss, variables)
+            # Identity unless the optimizer scales losses (mixed_float16): then
+            # the gradients come out scaled and `apply` unscales them.
+            scaled_loss = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled_loss, variables)
         return grads, _counters(y, logits, per_example, tf.ones_like(per_example))
 
     def _replica_train_step(self, batch):
@@ -219,7 +229,11 @@ class Trainer:
             first_loop, step = False, stop
             train_metrics = {"loss": float(totals[_LOSS] / totals[_EXAMPLES]),
                              "accuracy": float(totals[_CORRECT] / totals[_PREDICTIONS]),
-                             "examples_per_sec": examples / seconds}
+                             "examples_per_sec": examples / seconds,
+                             "learning_rate": optimizers.current_learning_rate(self.optimizer)}
+            loss_scale = Precision.loss_scale(self.optimizer)
+            if loss_scale is not None:
+                train_metrics["loss_scale"] = loss_scale
             if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
                 eval_metrics = self.evaluate()
             if self.checkpointer and ((tc.checkpoint_every and step % tc.checkpoint_every == 0)

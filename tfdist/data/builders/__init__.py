@@ -2,7 +2,7 @@
 
 Importing this package registers every bundled builder with TFDS, so
 `tfds.builder(name, data_dir=...)` and `tfds.load(name, ...)` find them.
-Each builder writes several files per split (its module's `NUM_SHARDS`)
+Each builder writes several files per split (`OfflineBuilder.NUM_SHARDS`)
 from a plain `download_and_prepare()`, because input pipelines shard by file.
 """
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
+from tfdist.data.builders.offline import OfflineBuilder
+
 CLASS_NAMES = (
     "square",
     "circle",
@@ -29,7 +31,6 @@ CLASS_NAMES = (
     "dot_grid",
 )
 IMAGE_SIZE = 32
-NUM_SHARDS = 4  # files per split; downstream input pipelines shard by file
 
 _SPLIT_SIZES = {"train": 12_000, "test": 2_000}
 _SPLIT_SEEDS = {"train": 0, "test": 1}  # distinct streams: no train/test overlap
@@ -92,8 +93,10 @@ def _draw_chunk(rng: np.random.Generator, n: int):
     return np.clip(np.rint(images), 0, 255).astype(np.uint8), labels
 
 
-class TfdistShapes(tfds.core.GeneratorBasedBuilder):
+class TfdistShapes(OfflineBuilder):
     """Ten-class geometric-figure classification, generated offline."""
+
+    SPLIT_SIZES = _SPLIT_SIZES
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
@@ -109,22 +112,6 @@ class TfdistShapes(tfds.core.GeneratorBasedBuilder):
             ),
             supervised_keys=("image", "label"),
         )
-
-    def download_and_prepare(self, *, download_config=None, **kwargs) -> None:
-        """As the base method, but writes `NUM_SHARDS` files per split.
-
-        TFDS sizes shards at 64 MiB or more, which would put each split of
-        this small dataset in one file. A caller's explicit
-        `DownloadConfig(num_shards=...)` still wins.
-        """
-        config = download_config or tfds.download.DownloadConfig()
-        if config.num_shards is None:
-            config = config.replace(num_shards=NUM_SHARDS)
-        super().download_and_prepare(download_config=config, **kwargs)
-
-    def _split_generators(self, dl_manager):
-        del dl_manager  # nothing to download
-        return {split: self._generate_examples(split) for split in _SPLIT_SIZES}
 
     def _generate_examples(self, split: str):
         size = _SPLIT_SIZES[split]

@@ -23,9 +23,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
+from tfdist.data.builders.offline import OfflineBuilder
+
 VOCAB_SIZE = 64
 SEQUENCE_LENGTH = 64
-NUM_SHARDS = 4  # files per split; downstream input pipelines shard by file
 # (a, b, c): a + b odd and c odd, so no rule can settle on a constant token.
 RULES = (
     (1, 0, 1),
@@ -52,8 +53,10 @@ def generate_sequences(rng: np.random.Generator, n: int) -> np.ndarray:
     return seq.astype(np.int32)
 
 
-class TfdistTokens(tfds.core.GeneratorBasedBuilder):
+class TfdistTokens(OfflineBuilder):
     """Next-token prediction on in-context recurrences, generated offline."""
+
+    SPLIT_SIZES = _SPLIT_SIZES
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
@@ -69,22 +72,6 @@ class TfdistTokens(tfds.core.GeneratorBasedBuilder):
             supervised_keys=("inputs", "targets"),
             metadata=tfds.core.MetadataDict(vocab_size=VOCAB_SIZE),
         )
-
-    def download_and_prepare(self, *, download_config=None, **kwargs) -> None:
-        """As the base method, but writes `NUM_SHARDS` files per split.
-
-        TFDS sizes shards at 64 MiB or more, which would put each split of
-        this small dataset in one file. A caller's explicit
-        `DownloadConfig(num_shards=...)` still wins.
-        """
-        config = download_config or tfds.download.DownloadConfig()
-        if config.num_shards is None:
-            config = config.replace(num_shards=NUM_SHARDS)
-        super().download_and_prepare(download_config=config, **kwargs)
-
-    def _split_generators(self, dl_manager):
-        del dl_manager  # nothing to download
-        return {split: self._generate_examples(split) for split in _SPLIT_SIZES}
 
     def _generate_examples(self, split: str):
         rng = np.random.default_rng(_SPLIT_SEEDS[split])
