@@ -40,14 +40,15 @@ def assert_weights_close(a, b, rtol=1e-5, atol=1e-7):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=f"weight {i}")
 
 
-def mw_config(strategy, steps=10):
+def mw_config(strategy, steps=10, **train):
     """The run tests/mw_worker.py makes (no shuffling: batches in file order)."""
+    train = {"global_batch_size": 32, "train_steps": steps, "steps_per_loop": 5, **train}
     return tfdist.RunConfig(
         strategy=tfdist.StrategyConfig(name=strategy, collective_timeout_s=60),
         model=tfdist.ModelConfig(name="mlp", width=16, depth=1),
         data=tfdist.DataConfig(shuffle_buffer=1),
         optimizer=tfdist.OptimizerConfig(name="sgd", learning_rate=0.1),
-        train=tfdist.TrainConfig(global_batch_size=32, train_steps=steps, steps_per_loop=5))
+        train=tfdist.TrainConfig(**train))
 
 
 def train_from(config, initial):

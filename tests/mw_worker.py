@@ -1,8 +1,9 @@
 """A multi-worker test worker: trains through the Python API, saves its weights.
 
 Run by tests under tfdist-launch (TF_CONFIG set per worker):
-    python tests/mw_worker.py OUT_DIR STRATEGY STEPS
-Loads OUT_DIR/initial.npz, trains, writes OUT_DIR/weights-<worker>.npz.
+    python tests/mw_worker.py OUT_DIR STRATEGY STEPS [TRAIN_OVERRIDES_JSON]
+Loads OUT_DIR/initial.npz, trains (TrainConfig fields overridden by the JSON,
+e.g. {"accum_steps": 4}), writes OUT_DIR/weights-<worker>.npz.
 """
 
 import json
@@ -15,9 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import mw_config, train_from  # noqa: E402
 
 
-def main(out_dir, strategy, steps):
+def main(out_dir, strategy, steps, overrides="{}"):
     initial = list(np.load(os.path.join(out_dir, "initial.npz")).values())
-    result = train_from(mw_config(strategy, int(steps)), initial)
+    result = train_from(mw_config(strategy, int(steps), **json.loads(overrides)), initial)
     index = os.environ.get("HOROVOD_RANK") or str(
         json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"])
     np.savez(os.path.join(out_dir, f"weights-{index}.npz"), *result.model.get_weights())

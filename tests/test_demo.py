@@ -49,3 +49,18 @@ def test_readme_documents_every_flag():
     assert len(defined) > 20
     missing = [name for name in defined if f"`--{name}`" not in readme]
     assert not missing, f"README flag reference lacks {missing}"
+
+
+def test_mixed_precision_reaches_fp32_accuracy(data_dir):
+    """bf16 and fp16 (loss-scaled) runs of the demo model end within 2 points
+    of float32 test accuracy on the bundled dataset (a shortened, smaller run)."""
+    accuracy = {}
+    for precision in ("float32", "mixed_bfloat16", "mixed_float16"):
+        config = _demo_config("--train_steps=300", "--model_width=16", "--global_batch_size=64",
+                              f"--precision={precision}", f"--data_dir={data_dir}")
+        summary = tfdist.train(config).summary
+        assert summary["precision"] == precision
+        accuracy[precision] = summary["accuracy"]
+    assert accuracy["float32"] >= 0.9, accuracy
+    for precision in ("mixed_bfloat16", "mixed_float16"):
+        assert abs(accuracy[precision] - accuracy["float32"]) <= 0.02, accuracy

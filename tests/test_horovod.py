@@ -36,6 +36,22 @@ def test_two_ranks_match_single_process(tmp_path):
     assert_match_single_device(workers, initial)
 
 
+@pytest.mark.timeout(240)
+def test_two_ranks_accumulating_match_one_big_batch(tmp_path):
+    workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod", accum_steps=4)
+    assert_match_single_device(workers, initial)
+
+
+@pytest.mark.timeout(240)
+def test_every_feature_at_once_keeps_ranks_identical(tmp_path):
+    workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod", accum_steps=2,
+                                   grad_compression="fp16", precision="mixed_bfloat16")
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(w).all() for w in workers[0])
+    assert any(not np.array_equal(w, i) for w, i in zip(workers[0], initial))
+
+
 @pytest.mark.timeout(300)
 def test_horovod_checkpoint_restores_under_default_and_mirrored(tmp_path, data_dir):
     import tfdist

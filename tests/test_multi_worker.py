@@ -32,14 +32,15 @@ def _children(pid):
     return [int(p) for p in out.split()]
 
 
-def run_workers(launcher_args, tmp_path, strategy, steps=10):
-    """Train `steps` on 2 processes; return each worker's final weights and the initial ones."""
+def run_workers(launcher_args, tmp_path, strategy, steps=10, **train):
+    """Train `steps` on 2 processes (TrainConfig fields `train` overridden);
+    return each worker's final weights and the initial ones."""
     initial = models.build(mw_config(strategy).model, IMAGE_SPEC).get_weights()
     np.savez(tmp_path / "initial.npz", *initial)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run([*launcher_args, sys.executable, "tests/mw_worker.py", str(tmp_path),
-                             strategy, str(steps)], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=200)
+                             strategy, str(steps), json.dumps(train)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     return [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)], initial
 
@@ -56,6 +57,27 @@ def assert_match_single_device(workers, initial, steps=10):
 def test_two_workers_match_single_process(tmp_path):
     workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker")
     assert_match_single_device(workers, initial)
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_accumulating_match_one_big_batch(tmp_path):
+    """4 micro-batches per update on each of 2 workers == one step on the global batch."""
+    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker",
+                                   accum_steps=4)
+    assert_match_single_device(workers, initial)
+
+
+@pytest.mark.timeout(240)
+def test_every_feature_at_once_keeps_workers_identical(tmp_path):
+    """The feature matrix's multi-process corner: mixed precision with loss
+    scaling, accumulation, compression together; the workers must agree."""
+    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker",
+                                   accum_steps=2, grad_compression="bf16",
+                                   precision="mixed_float16")
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(w).all() for w in workers[0])
+    assert any(not np.array_equal(w, i) for w, i in zip(workers[0], initial))
 
 
 def _long_run(model_dir, data_dir, extra=()):

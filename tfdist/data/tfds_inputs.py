@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import os
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
@@ -80,7 +81,7 @@ def _spec(builder) -> DatasetSpec:
     sizes = {name: split.num_examples for name, split in info.splits.items()}
     if isinstance(x_feature, tfds.features.Image) and isinstance(y_feature, tfds.features.ClassLabel):
         kind, num_classes = "image", y_feature.num_classes
-    elif x_feature.dtype.is_integer and len(x_feature.shape) == 1:
+    elif np.issubdtype(x_feature.np_dtype, np.integer) and len(x_feature.shape) == 1:
         kind, num_classes = "tokens", getattr(type(builder), "VOCAB_SIZE", None)
         if num_classes is None:
             raise UsageError(f"--dataset={builder.name}: token data needs a vocabulary size "
