@@ -20,6 +20,28 @@ def test_accumulated_micro_batches_match_one_big_batch(strategy):
     assert_weights_close(four.model.get_weights(), one.model.get_weights())
 
 
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_transformer_accumulates_and_compresses(compression):
+    """Embedding gradients (sparse in TensorFlow) through accumulation and
+    compression: 2 micro-batches match one batch (to 1e-5 without compression)."""
+    def train(accum_steps):
+        config = run_config("mirrored", model="transformer", width=8, batch=32,
+                            accum_steps=accum_steps, grad_compression=compression)
+        config = config.replace(model=tfdist.ModelConfig(name="transformer", width=8, depth=1,
+                                                         num_heads=2))
+        return tfdist.train(config, model_fn=lambda s: _model_from(initial, config, s),
+                            dataset_fn=token_dataset_fn, spec=TOKEN_SPEC)
+
+    initial = models.build(tfdist.ModelConfig(name="transformer", width=8, depth=1, num_heads=2),
+                           TOKEN_SPEC).get_weights()
+    one, two = train(1), train(2)
+    # Embedding gradients are summed by a multi-threaded segment sum, whose
+    # order (so the last float bits) can vary: hence atol 1e-6 even uncompressed.
+    rtol, atol = {"none": (1e-5, 1e-6), "bf16": (1e-2, 1e-3)}[compression]
+    for a, b in zip(two.model.get_weights(), one.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("strategy", ["default", "mirrored"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_compressed_gradients_stay_close_and_halve_the_bytes(strategy, dtype):

@@ -74,6 +74,24 @@ def write_summary(model_dir: str, summary: dict) -> None:
     os.replace(tmp, path)
 
 
+def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[str]:
+    """The derived quantities a user should see before the first step."""
+    tc, oc = config.train, config.optimizer
+    per_replica = tc.global_batch_size // strategy.num_replicas
+    micro = f", {tc.accum_steps} micro-batches of {per_replica // tc.accum_steps}" \
+        if tc.accum_steps > 1 else ""
+    wire = tc.grad_compression if tc.grad_compression != "none" else "float32"
+    return [
+        strategy.describe(),
+        f"model {model.name}: {model.count_params():,} parameters, precision {tc.precision}",
+        f"dataset {spec.name}: global batch {tc.global_batch_size} = {strategy.num_replicas} "
+        f"replica(s) x {per_replica}{micro}; {trainer.total_steps} steps",
+        f"gradients reduced per update: {trainer.bytes_per_update / 1e6:.2f} MB ({wire})",
+        f"learning rate: peak {peak_lr:g} ({oc.lr_scaling} scaling of {oc.learning_rate:g} "
+        f"from batch {oc.base_batch_size}), {oc.warmup_steps} warm-up steps, {oc.lr_decay}",
+    ]
+
+
 def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras.Model]] = None,
           dataset_fn: Optional[DatasetFn] = None,
           spec: Optional[DatasetSpec] = None) -> RunResult:
@@ -124,18 +142,8 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
                       inputs=inputs, total_steps=steps, checkpointer_factory=checkpointer_factory)
     peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
     if strategy.is_chief:
-        logging.info("%s | model %s (%d parameters) | dataset %s | global batch %d = %d "
-                     "replica(s) x %d%s | %d steps | %.2f MB of gradients reduced per update "
-                     "(%s) | precision %s | peak learning rate %g (%s scaling from %g at batch "
-                     "%d, %d warm-up steps, %s)", strategy.describe(), model.name,
-                     model.count_params(), inputs.spec.name, tc.global_batch_size,
-                     strategy.num_replicas, tc.global_batch_size // strategy.num_replicas,
-                     f" ({tc.accum_steps} micro-batches)" if tc.accum_steps > 1 else "",
-                     trainer.total_steps, trainer.bytes_per_update / 1e6,
-                     tc.grad_compression if tc.grad_compression != "none" else "float32",
-                     tc.precision, peak_lr, config.optimizer.lr_scaling,
-                     config.optimizer.learning_rate, config.optimizer.base_batch_size,
-                     config.optimizer.warmup_steps, config.optimizer.lr_decay)
+        for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
+            logging.info(line)
     try:
         metrics = trainer.fit()
     except tf.errors.OpError as error:

@@ -101,7 +101,10 @@ class Trainer:
             # Identity unless the optimizer scales losses (mixed_float16): then
             # the gradients come out scaled and `apply` unscales them.
             scaled_loss = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled_loss, variables)
+        # Dense gradients: embeddings give IndexedSlices, which neither sum
+        # across micro-batches nor cast for compression; the engines densify
+        # them for the all-reduce anyway (Horovod's sparse_as_dense).
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled_loss, variables)]
         return grads, _counters(y, logits, per_example, tf.ones_like(per_example))
 
     def _replica_train_step(self, batch):
