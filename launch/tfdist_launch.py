@@ -23,6 +23,7 @@ import time
 PROG = "tfdist-launch"
 POLL_S = 0.1          # how often worker exits are checked; no busy loop
 DRAIN_S = 1.0         # how long to wait for a stopped worker's last output lines
+SETTLE_S = 1.0        # after a failure, how long to gather near-simultaneous ones
 _OUTPUT = threading.Lock()  # held per line, so lines never interleave
 _closed = False             # set on exit: pumps of strays then write nothing
 
@@ -217,6 +218,23 @@ def _drain(workers):
         t.join(max(0.0, deadline - time.monotonic()))
 
 
+def _root_cause(workers):
+    """Log every worker that failed around the first failure; return the likely cause.
+
+    One death makes its peers fail within moments (their collectives break),
+    so failures are gathered for SETTLE_S, and a worker killed by a signal is
+    preferred over peers that merely exited with an error after it.
+    """
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+        time.sleep(POLL_S)
+    failed = [w for w in workers if w.proc.poll() not in (None, 0)]
+    for w in failed:
+        log(w.describe_exit())
+    killed = [w for w in failed if w.proc.returncode < 0]
+    return (killed or failed)[0]
+
+
 def supervise(workers, interrupts, grace_s):
     """Wait for the group: return None if all exited 0, else the failed Worker or a signal number."""
     while True:
@@ -226,9 +244,8 @@ def supervise(workers, interrupts, grace_s):
             stop_group(workers, signum, grace_s)
             return signum
         codes = [w.proc.poll() for w in workers]
-        failed = next((w for w, rc in zip(workers, codes) if rc not in (None, 0)), None)
-        if failed:
-            log(failed.describe_exit())
+        if any(rc not in (None, 0) for rc in codes):
+            failed = _root_cause(workers)
             stop_group(workers, signal.SIGTERM, grace_s)
             return failed
         if all(rc == 0 for rc in codes):

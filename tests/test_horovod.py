@@ -130,6 +130,16 @@ def test_dead_rank_ends_the_job(tmp_path, data_dir):
     assert _training_pids() == {}
 
 
+def test_without_horovodrun_it_is_a_single_rank(data_dir):
+    result = run_cli(["--strategy=horovod", "--model=mlp", "--model_width=8", "--train_steps=2",
+                      "--steps_per_loop=2", "--global_batch_size=8", f"--data_dir={data_dir}"],
+                     timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["strategy"] == "horovod" and summary["replicas"] == 1
+    assert summary["steps"] == 2
+
+
 def test_without_horovod_says_how_to_build_it(tmp_path):
     fake = tmp_path / "fake" / "horovod"
     fake.mkdir(parents=True)
