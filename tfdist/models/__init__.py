@@ -7,31 +7,19 @@ loss in float32).
 
 from __future__ import annotations
 
-import importlib
-
 from tfdist.config import ModelConfig
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError
+from tfdist.registry import Registry
 
-_REGISTRY = {
+_REGISTRY = Registry("--model", "model", {
     "mlp": "tfdist.models.mlp",
     "cnn": "tfdist.models.cnn",
     "transformer": "tfdist.models.transformer",
-}
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def check_name(name: str) -> None:
-    if name not in _REGISTRY:
-        raise UsageError(f"--model={name!r} is not a registered model; valid: {', '.join(names())}")
-
-
-def _module(name: str):
-    check_name(name)
-    return importlib.import_module(_REGISTRY[name])
+})
+names = _REGISTRY.names
+check_name = _REGISTRY.check
+_module = _REGISTRY.load
 
 
 def check_compatible(config: ModelConfig, spec: DatasetSpec) -> None:

@@ -1,0 +1,33 @@
+"""A tiny name -> implementation registry with lazy imports.
+
+Entries are "package.module" or "package.module:Attribute" strings, imported
+only when asked for: `--strategy=mirrored` never imports Horovod, and a
+missing optional engine fails only when chosen. An unknown name is a
+`UsageError` that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tfdist.errors import UsageError
+
+
+class Registry:
+    def __init__(self, flag: str, kind: str, entries: dict[str, str]):
+        self.flag, self.kind, self._entries = flag, kind, dict(entries)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def check(self, name: str) -> None:
+        if name not in self._entries:
+            raise UsageError(f"{self.flag}={name!r} is not a registered {self.kind}; "
+                             f"valid: {', '.join(self.names())}")
+
+    def load(self, name: str):
+        """The module (or the attribute of it) registered as `name`."""
+        self.check(name)
+        module_name, _, attribute = self._entries[name].partition(":")
+        module = importlib.import_module(module_name)
+        return getattr(module, attribute) if attribute else module
