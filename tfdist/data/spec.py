@@ -20,8 +20,3 @@ class DatasetSpec:
     num_classes: int
     train_examples: Optional[int] = None
     eval_examples: Optional[int] = None
-
-    @property
-    def targets_per_example(self) -> int:
-        """Predictions per example (accuracy is counted over these)."""
-        return self.input_shape[0] if self.kind == "tokens" else 1

@@ -45,6 +45,11 @@ class HorovodStrategy(Strategy):
             tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
         self._hvd = hvd
 
+    def close(self) -> None:
+        """Shut Horovod's background thread down cleanly at the end of a run."""
+        if getattr(self, "_hvd", None) is not None and self._hvd.is_initialized():
+            self._hvd.shutdown()
+
     @property
     def num_replicas(self) -> int:
         return self._hvd.size()

@@ -17,8 +17,6 @@ import contextlib
 
 import keras
 
-POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-
 
 class Precision:
     """The dtype policy to build the model under, and loss scaling for float16."""

@@ -12,9 +12,6 @@ import math
 import keras
 from keras import ops
 
-SCALING = ("none", "linear", "sqrt")
-DECAY = ("constant", "cosine")
-
 
 def scaled_learning_rate(base_lr: float, rule: str, global_batch: int, base_batch: int) -> float:
     """The peak learning rate for `global_batch`, given `base_lr` tuned at `base_batch`."""
