@@ -58,6 +58,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global_batch", type=int, default=256)
+    parser.add_argument("--mlp_width", type=int, default=4096,
+                        help="FFN width of the mlp: wide, so its matmuls dominate")
     args = parser.parse_args()
     rows = []
     for model, model_flags in MODELS.items():
@@ -65,6 +67,8 @@ def main():
                 "--steps_per_loop=20", f"--global_batch_size={args.global_batch}", *model_flags]
         if model == "transformer":
             base.append("--model_depth=4")  # enough blocks for recomputation to matter
+        else:
+            base.append(f"--model_width={args.mlp_width}")
         for group, variants in GROUPS.items():
             results = [(name, measure(base + flags)) for name, flags in variants]
             baseline = results[0][1]
