@@ -114,9 +114,13 @@ class Trainer:
             grads, counters = self._micro_batch_gradients(x, y)
         else:
             # Sum gradients of k micro-batches locally; reduce once afterwards.
-            xs, ys = tf.split(x, k), tf.split(y, k)
+            # An in-graph loop (not k unrolled copies) keeps one micro-batch's
+            # activations and gradients alive at a time.
+            xs = tf.reshape(x, [k, -1, *x.shape[1:]])
+            ys = tf.reshape(y, [k, -1, *y.shape[1:]])
             grads, counters = self._micro_batch_gradients(xs[0], ys[0])
-            for i in range(1, k):
+            for i in tf.range(1, k):
+                tf.autograph.experimental.set_loop_options(parallel_iterations=1)
                 more, more_counters = self._micro_batch_gradients(xs[i], ys[i])
                 grads = [g + m for g, m in zip(grads, more)]
                 counters += more_counters
