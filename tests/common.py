@@ -34,6 +34,23 @@ def run_config(strategy="default", *, optimizer="sgd", learning_rate=0.05, steps
     )
 
 
+# Outputs of the same weights computed in another order (another strategy,
+# device split or CPU kernel): float32 has a 24-bit mantissa (eps 1.2e-7), and
+# each logit is a few hundred-term sum per layer over a handful of layers, so
+# reordering moves it by a few ulps of its magnitude (seen: 6e-8 absolute,
+# 9e-7 relative). 1e-6 absolute / 1e-5 relative bounds that with margin and
+# still catches any real difference in weights or in what is computed.
+PREDICTION_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def assert_variables_equal(a, b):
+    """Bit-identical variables (a restore or a broadcast copies bytes)."""
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                      err_msg=f"variable {i} {getattr(x, 'path', '')}")
+
+
 def assert_weights_close(a, b, rtol=1e-5, atol=1e-7):
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):

@@ -6,7 +6,8 @@ import pytest
 import tfdist
 from tfdist import checkpointing, models
 
-from common import IMAGE_SPEC, image_dataset_fn, run_config
+from common import (IMAGE_SPEC, PREDICTION_TOLERANCE, assert_variables_equal, image_dataset_fn,
+                    run_config)
 
 PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).astype(np.float32)
 
@@ -24,11 +25,16 @@ def test_checkpoint_restores_under_another_strategy(tmp_path, writer, reader):
     # Same requested step count: the reader restores step 4 and trains no further.
     read = _train(run_config(reader, steps=4, model_dir=str(tmp_path), seed=99, **cnn))
     assert read.summary["steps"] == 4
-    np.testing.assert_array_equal(read.model.predict(PROBE, verbose=0), expected)
-    # Optimizer state came back too (Adam's step counter and moments).
+    # A restore copies bytes: every variable (weights, BatchNorm statistics,
+    # Adam's step counter and moments) is bit-identical to what was saved.
+    assert_variables_equal(read.model.variables, written.model.variables)
     assert int(read.optimizer.iterations.numpy()) == 4
-    for a, b in zip(read.optimizer.variables, written.optimizer.variables):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert_variables_equal(read.optimizer.variables, written.optimizer.variables)
+    # Predictions are *computed* under another strategy (another device split
+    # and kernel), so their last float bits may differ (6e-8 seen on an AVX2
+    # EPYC): equal within float32 reordering error, not bit for bit.
+    np.testing.assert_allclose(read.model.predict(PROBE, verbose=0), expected,
+                               **PREDICTION_TOLERANCE)
 
 
 def test_resume_continues_from_saved_step(tmp_path):
