@@ -25,6 +25,7 @@ from tfdist.data import tfds_inputs
 from tfdist.data.function_inputs import DatasetFn, FunctionInputs
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
+from tfdist.observe import hardware
 from tfdist.training import optimizers
 from tfdist.training.precision import Precision
 from tfdist.training.trainer import Trainer, total_steps
@@ -82,6 +83,7 @@ def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[st
         if tc.accum_steps > 1 else ""
     wire = tc.grad_compression if tc.grad_compression != "none" else "float32"
     return [
+        f"hardware: {hardware.describe()}",
         strategy.describe(),
         f"model {model.name}: {model.count_params():,} parameters, precision {tc.precision}",
         f"dataset {spec.name}: global batch {tc.global_batch_size} = {strategy.num_replicas} "
@@ -167,6 +169,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
         "loss_scale": Precision.loss_scale(optimizer),
         "grad_compression": tc.grad_compression,
         "bytes_reduced_per_update": trainer.bytes_per_update,
+        "hardware": hardware.describe(),
     }
     if strategy.is_chief and tc.model_dir:
         write_summary(tc.model_dir, summary)

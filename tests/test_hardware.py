@@ -1,0 +1,37 @@
+"""The hardware line printed with every figure: CPU model and ISA features."""
+
+from tfdist.observe import hardware
+
+
+def _fake_cpu(monkeypatch, flags, limit=None):
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Test CPU 9000", frozenset(flags)))
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    if limit:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+
+
+def test_avx2_only_cpu_emulates_bf16(monkeypatch):
+    _fake_cpu(monkeypatch, ["sse4_2", "avx", "avx2", "fma"])
+    assert hardware.isa_features() == ["AVX2", "FMA"]
+    assert hardware.bf16_support() == "emulated"
+    assert hardware.describe().startswith("Test CPU 9000 x")
+    assert "AVX2 FMA;" in hardware.describe()
+
+
+def test_amx_cpu_runs_bf16_on_amx_unless_onednn_is_capped(monkeypatch):
+    flags = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
+    _fake_cpu(monkeypatch, flags)
+    assert hardware.isa_features() == ["AVX2", "FMA", "AVX-512", "AVX512-BF16", "AMX-BF16"]
+    assert hardware.bf16_support() == "AMX"
+    _fake_cpu(monkeypatch, flags, limit="AVX2")
+    assert hardware.bf16_support() == "emulated"
+    assert "oneDNN capped at AVX2" in hardware.describe()
+    _fake_cpu(monkeypatch, flags, limit="AVX512_CORE_BF16")
+    assert hardware.bf16_support() == "AVX-512"
+
+
+def test_this_machine_is_described():
+    info = hardware.as_dict()
+    assert info["cpu"] and info["cpu_cores"] >= 1
+    assert info["bf16"] in ("AMX", "AVX-512", "emulated")

@@ -1,0 +1,86 @@
+"""What machine a figure came from: CPU model, cores, and the ISA features
+that decide TensorFlow's CPU speed (AVX2, AVX-512, AVX-512 BF16, AMX).
+
+The machines this project runs on differ: on an AVX2-only CPU bfloat16 is
+emulated (slower than float32); with AVX-512 BF16 or AMX-BF16 oneDNN runs
+bf16 matmuls natively (AMX ~4x float32). Every throughput figure tfdist
+prints (start-up log, run summary, benchmarks) carries this description.
+Pure Python (reads /proc/cpuinfo), no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+# /proc/cpuinfo flag -> the name users know, in the order they are shown.
+_FEATURES = (
+    ("avx2", "AVX2"),
+    ("fma", "FMA"),
+    ("avx512f", "AVX-512"),
+    ("avx512_bf16", "AVX512-BF16"),
+    ("avx512_fp16", "AVX512-FP16"),
+    ("amx_bf16", "AMX-BF16"),
+    ("amx_fp16", "AMX-FP16"),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> tuple[str, frozenset]:
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_model() -> str:
+    return _cpuinfo()[0] or "unknown CPU"
+
+
+def isa_features() -> list[str]:
+    """The relevant ISA features this CPU has, e.g. ["AVX2", "FMA", "AVX-512"]."""
+    flags = _cpuinfo()[1]
+    return [name for flag, name in _FEATURES if flag in flags]
+
+
+def isa_limit() -> str | None:
+    """oneDNN's ISA cap if the user set one (ONEDNN_MAX_CPU_ISA, e.g. AVX2)."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+
+
+def bf16_support() -> str:
+    """How bfloat16 matmuls run here: 'AMX', 'AVX-512', or 'emulated'."""
+    features = isa_features()
+    limit = (isa_limit() or "").upper()
+    if limit and not (limit.startswith("AVX512") or "AMX" in limit or limit == "ALL"):
+        return "emulated"
+    if "AMX-BF16" in features and (not limit or "AMX" in limit or limit == "ALL"):
+        return "AMX"
+    if "AVX512-BF16" in features:
+        return "AVX-512"
+    return "emulated"
+
+
+def describe() -> str:
+    """One line, e.g. 'Intel Xeon ... x2 cores; AVX2 FMA AVX-512 AMX-BF16; bf16: AMX'."""
+    features = " ".join(isa_features()) or "no AVX2"
+    limit = isa_limit()
+    capped = f" (oneDNN capped at {limit})" if limit else ""
+    return (f"{cpu_model()} x{os.cpu_count()} cores; {features}{capped}; "
+            f"bf16 matmuls: {bf16_support()}")
+
+
+def as_dict() -> dict:
+    """For the run summary and benchmark reports."""
+    return {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "isa": isa_features(),
+            "isa_limit": isa_limit(), "bf16": bf16_support()}
