@@ -1,7 +1,8 @@
 """Shared test set-up.
 
 Virtual CPU devices must exist before TensorFlow's runtime starts, so the
-whole in-process suite runs on 2 logical CPUs configured here, first.
+whole in-process suite runs on 4 logical CPUs configured here, first:
+mirrored runs use the first 2 (`virtual_devices=2`), DTensor meshes all 4.
 """
 
 import os
@@ -15,7 +16,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfdist import cluster  # noqa: E402
 
-cluster.configure_virtual_cpus(2)
+cluster.configure_virtual_cpus(4)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

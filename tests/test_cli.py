@@ -66,11 +66,12 @@ def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
 
 
 def test_virtual_devices_after_runtime_start_is_a_usage_error():
-    tf.constant(1.0)  # the runtime is up (conftest made 2 logical CPUs)
-    with pytest.raises(UsageError, match="--virtual_devices=3: TensorFlow's devices were "
+    tf.constant(1.0)  # the runtime is up (conftest made 4 logical CPUs)
+    with pytest.raises(UsageError, match="--virtual_devices=5: TensorFlow's devices were "
                                          "already initialised"):
-        cluster.configure_virtual_cpus(3)
-    cluster.configure_virtual_cpus(2)  # the same request again is fine
+        cluster.configure_virtual_cpus(5)
+    cluster.configure_virtual_cpus(4)  # the same request again is fine
+    assert len(cluster.local_devices(2)) == 2  # fewer: the first ones
 
 
 def test_run_prints_and_writes_summary(tmp_path, data_dir):

@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfdist import models, strategies
+from tfdist import models, sharding, strategies
 from tfdist.checkpointing import Checkpointer, checkpoint_dir
 from tfdist.config import RunConfig
 from tfdist.data import tfds_inputs
@@ -96,7 +96,7 @@ def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[st
 
 def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras.Model]] = None,
           dataset_fn: Optional[DatasetFn] = None,
-          spec: Optional[DatasetSpec] = None) -> RunResult:
+          spec: Optional[DatasetSpec] = None, layout_rules=None) -> RunResult:
     """Train under `config.strategy`; return the run summary and the model.
 
     model_fn: builds a Keras 3 model from the dataset's `DatasetSpec`
@@ -104,6 +104,9 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
     dataset_fn: `dataset_fn(split, input_context)` returning unbatched (x, y)
       examples of "train" or "test" for one input pipeline (default: the TFDS
       dataset `config.data.dataset`). `spec` describes it if the model needs it.
+    layout_rules: `--strategy=dtensor` only: [(regex over variable path,
+      sharding spec)], e.g. [(r"dense/kernel$", (None, "model"))]; default: the
+      registered builder's rules (none, i.e. replicated, for your own model_fn).
     """
     strategies.check_name(config.strategy.name)
     if model_fn is None:
@@ -111,13 +114,48 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
     strategy = strategies.create(config.strategy)
     strategy.setup()
     try:
-        return _train(config, strategy, model_fn, dataset_fn, spec)
+        return _train(config, strategy, model_fn, dataset_fn, spec, layout_rules)
     finally:
         strategy.close()
 
 
-def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
+def _build(config, strategy, model_fn, inputs, steps, layout_rules):
+    """Model and optimizer, built in the engine's scope under the precision policy."""
+    if layout_rules is None and model_fn is None:
+        layout_rules = models.layout_rules(config.model)
+    strategy.set_layout_rules(sharding.LayoutRules(layout_rules or ()))
+    precision = Precision(config.train.precision,
+                          loss_scale_growth_steps=config.train.loss_scale_growth_steps)
+    keras.utils.set_random_seed(config.train.seed)
+    with strategy.scope():
+        with precision.policy_scope():
+            model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+        optimizer = precision.wrap_optimizer(optimizers.create(
+            config.optimizer, global_batch_size=config.train.global_batch_size,
+            total_steps=steps))
+        optimizer.build(model.trainable_variables)
+    strategy.prepare_optimizer(optimizer, model.trainable_variables)
+    return model, optimizer
+
+
+def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
+                     layout_rules=None) -> str:
+    """`--print_layouts`: each variable's path, global shape, spec and per-device
+    bytes on `config.strategy.mesh` (with its optimizer slots), and the totals."""
+    strategies.check_name(config.strategy.name)
+    if config.strategy.name != "dtensor":
+        raise UsageError(f"--print_layouts describes tensor sharding; it needs "
+                         f"--strategy=dtensor, not --strategy={config.strategy.name}")
+    strategy = strategies.create(config.strategy)
+    strategy.setup()
+    inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
+    model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
+    return strategy.layout_report(model, optimizer)
+
+
+def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunResult:
     tc = config.train
+    strategy.check_config(config)
     check_batch(config, strategy.num_replicas)
     if strategy.is_chief:
         check_model_dir(tc.model_dir)
@@ -125,14 +163,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
     inputs.check_sharding(strategy.num_input_pipelines)
 
     steps = total_steps(tc, inputs.spec)
-    precision = Precision(tc.precision, loss_scale_growth_steps=tc.loss_scale_growth_steps)
-    keras.utils.set_random_seed(tc.seed)
-    with strategy.scope():
-        with precision.policy_scope():
-            model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
-        optimizer = precision.wrap_optimizer(optimizers.create(
-            config.optimizer, global_batch_size=tc.global_batch_size, total_steps=steps))
-        optimizer.build(model.trainable_variables)
+    model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
 
     checkpointer_factory = None
     if tc.model_dir:
@@ -170,6 +201,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec) -> RunResult:
         "grad_compression": tc.grad_compression,
         "bytes_reduced_per_update": trainer.bytes_per_update,
         "hardware": hardware.describe(),
+        **strategy.summary_fields(model, optimizer),
     }
     if strategy.is_chief and tc.model_dir:
         write_summary(tc.model_dir, summary)

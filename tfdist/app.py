@@ -48,6 +48,9 @@ def main(argv: list[str]) -> None:
         strategies.check_name(config.strategy.name)
         models.check_name(config.model.name)
         from tfdist import api  # TensorFlow loads here, after the flags are known good
+        if tfdist_flags.print_layouts():
+            print(api.describe_layouts(config), flush=True)
+            return
         result = api.train(config)
     except UsageError as error:
         usage_exit(str(error))

@@ -156,32 +156,37 @@ def resolve(worker_hosts=(), task_index: Optional[int] = None,
 def configure_virtual_cpus(count: Optional[int]) -> None:
     """Split the first CPU into `count` logical devices on a host without GPUs.
 
-    Must run before the TensorFlow runtime initialises; repeating the same
-    request later in the process (e.g. two runs in one test) is accepted.
+    Must run before the TensorFlow runtime initialises. Later requests in the
+    same process (e.g. several runs from the Python API or the tests) are
+    accepted when at least `count` logical CPUs exist: `local_devices` then
+    uses the first `count` of them.
     """
     import tensorflow as tf
 
     if not count or tf.config.list_physical_devices("GPU"):
         return
     cpu = tf.config.list_physical_devices("CPU")[0]
-    wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
     current = tf.config.get_logical_device_configuration(cpu)
-    if current is not None and len(current) == count:
+    if current is not None and len(current) >= count:
         return
     try:
-        tf.config.set_logical_device_configuration(cpu, wanted)
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
     except RuntimeError:
         have = len(tf.config.list_logical_devices("CPU"))
         raise UsageError(
             f"--virtual_devices={count}: TensorFlow's devices were already initialised "
             f"in this process with {have} CPU device(s); set virtual devices before any "
-            "TensorFlow op, or leave --virtual_devices unset") from None
+            "TensorFlow op, or ask for at most that many") from None
 
 
 def local_devices(virtual_cpus: Optional[int]) -> list[str]:
-    """All local GPUs, else all logical CPUs (after configuring virtual ones)."""
+    """All local GPUs, else the logical CPUs (the first `virtual_cpus` if set)."""
     import tensorflow as tf
 
     configure_virtual_cpus(virtual_cpus)
     gpus = tf.config.list_logical_devices("GPU")
-    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+    if gpus:
+        return [d.name for d in gpus]
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    return cpus[:virtual_cpus] if virtual_cpus else cpus

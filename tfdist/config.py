@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from tfdist.errors import ConfigError
+from tfdist import sharding
+from tfdist.errors import ConfigError, UsageError
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 COLLECTIVES = ("auto", "ring", "nccl")
@@ -55,6 +56,9 @@ class StrategyConfig:
     # index in a comma-separated host:port list.
     worker_hosts: tuple = ()
     task_index: Optional[int] = None
+    # dtensor: the device mesh (batch x model axes) and ZeRO-1 optimizer state.
+    mesh: str = "batch:1,model:2"
+    shard_optimizer_state: bool = False
 
     def __post_init__(self):
         _positive("virtual_devices", self.virtual_devices, allow_none=True)
@@ -64,6 +68,10 @@ class StrategyConfig:
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s={self.collective_timeout_s!r} must be > 0")
         _non_negative("bytes_per_pack", self.bytes_per_pack)
+        try:
+            sharding.parse_mesh(self.mesh)
+        except UsageError as error:
+            raise ConfigError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ _STRATEGY = flags.DEFINE_string(
     "strategy", "mirrored",
     "Scale-out engine: default (one device), mirrored (all local devices), multi_worker "
     "(MultiWorkerMirroredStrategy over TF_CONFIG / --worker_hosts / Slurm), horovod "
-    "(Horovod ranks under horovodrun; `make horovod` builds it).")
+    "(Horovod ranks under horovodrun; `make horovod` builds it), dtensor (tensor sharding "
+    "over --mesh).")
 _VIRTUAL_DEVICES = flags.DEFINE_integer(
     "virtual_devices", 2,
     "On a host without GPUs, split the CPU into this many logical devices so "
@@ -38,6 +39,19 @@ _COLLECTIVE_TIMEOUT_S = flags.DEFINE_float(
 _BYTES_PER_PACK = flags.DEFINE_integer(
     "bytes_per_pack", 0, "multi_worker: pack gradients into all-reduces of about this many "
     "bytes (0: TensorFlow's default).", lower_bound=0)
+
+_MESH = flags.DEFINE_string(
+    "mesh", config_lib.StrategyConfig.mesh,
+    "dtensor: the device mesh, batch:B,model:M (B-way data parallel x M-way tensor "
+    "sharding; B*M devices, e.g. --virtual_devices=B*M on a CPU host).")
+_SHARD_OPTIMIZER_STATE = flags.DEFINE_boolean(
+    "shard_optimizer_state", False,
+    "dtensor: also split optimizer slots over the batch axis (ZeRO-1), so per-device "
+    "optimizer memory falls with the whole mesh.")
+_PRINT_LAYOUTS = flags.DEFINE_boolean(
+    "print_layouts", False,
+    "dtensor: print every variable's path, global shape, sharding spec and per-device "
+    "bytes (and the per-device totals) for --model and --mesh, then exit.")
 
 _MODEL = flags.DEFINE_string("model", "cnn", "Model builder: mlp, cnn, transformer.")
 _MODEL_WIDTH = flags.DEFINE_integer(
@@ -142,7 +156,8 @@ def run_config() -> config_lib.RunConfig:
                 name=_STRATEGY.value, virtual_devices=_VIRTUAL_DEVICES.value or None,
                 collective=_COLLECTIVE.value, collective_timeout_s=_COLLECTIVE_TIMEOUT_S.value,
                 bytes_per_pack=_BYTES_PER_PACK.value, worker_hosts=tuple(_WORKER_HOSTS.value),
-                task_index=_TASK_INDEX.value),
+                task_index=_TASK_INDEX.value, mesh=_MESH.value,
+                shard_optimizer_state=_SHARD_OPTIMIZER_STATE.value),
             model=config_lib.ModelConfig(
                 name=_MODEL.value, width=_MODEL_WIDTH.value, depth=_MODEL_DEPTH.value,
                 num_heads=_NUM_HEADS.value, recompute=_RECOMPUTE.value),
@@ -168,3 +183,8 @@ def run_config() -> config_lib.RunConfig:
         )
     except config_lib.ConfigError as error:  # a rule flags alone cannot express
         raise UsageError(str(error)) from None
+
+
+def print_layouts() -> bool:
+    """--print_layouts: describe the dtensor layouts and exit instead of training."""
+    return _PRINT_LAYOUTS.value

@@ -36,3 +36,8 @@ def build(config: ModelConfig, spec: DatasetSpec) -> "keras.Model":  # noqa: F82
     check_compatible(config, spec)
     return _module(config.name).build(config, spec)
 
+
+
+def layout_rules(config: ModelConfig) -> list:
+    """The builder's DTensor layout rules: [(regex over variable path, spec)]."""
+    return list(_module(config.name).layout_rules(config))

@@ -5,6 +5,19 @@ import keras
 DATA_KINDS = ("image",)
 
 
+def layout_rules(config):
+    """DTensor layouts: hidden layers alternate column- and row-sharded on
+    `model` (Megatron's pairing: a column-sharded layer's output feeds the next
+    layer's sharded input dimension, so only every second layer all-reduces);
+    the logits layer takes the sharding the last hidden layer leaves."""
+    rules = [(r"hidden_\d*[02468]/kernel$", (None, "model")),
+             (r"hidden_\d*[02468]/bias$", ("model",)),
+             (r"hidden_\d*[13579]/kernel$", ("model", None))]
+    if config.depth % 2:  # the last hidden layer is column-sharded
+        rules.append((r"logits/kernel$", ("model", None)))
+    return rules
+
+
 def build(config, spec) -> keras.Model:
     inputs = keras.Input(spec.input_shape, name="inputs")
     x = keras.layers.Flatten()(inputs)

@@ -14,6 +14,28 @@ from tfdist.models.blocks import Block
 DATA_KINDS = ("tokens",)
 
 
+def layout_rules(config):
+    """DTensor layouts, Megatron-style: attention heads and the FFN's hidden
+    units are split over `model`. Query/key/value kernels (d, heads, head_dim)
+    and the FFN up-projection are column-sharded; the attention output
+    (heads, head_dim, d) and the FFN down-projection are row-sharded, so each
+    block needs one all-reduce in attention and one in the FFN. Embeddings
+    are sharded on their vocabulary (positions) dimension; norms and output
+    biases replicate. (Sharding embeddings on the hidden dimension beside
+    sharded heads fails to compile in DTensor 2.21: "EmitAllScatter was passed
+    a desired_layout ... not more sharded than the original_layout".)"""
+    del config
+    return [
+        (r"attn/(query|key|value)/kernel$", (None, "model", None)),
+        (r"attn/(query|key|value)/bias$", ("model", None)),
+        (r"attn/attention_output/kernel$", ("model", None, None)),
+        (r"ffn_in/kernel$", (None, "model")),
+        (r"ffn_in/bias$", ("model",)),
+        (r"ffn_out/kernel$", ("model", None)),
+        (r"(token_embedding|position_embedding/table)/embeddings$", ("model", None)),
+    ]
+
+
 class PositionEmbedding(layers.Layer):
     """Adds a learned embedding of each position to its token embedding."""
 

@@ -11,6 +11,7 @@ _REGISTRY = Registry("--strategy", "strategy", {
     "mirrored": "tfdist.strategies.mirrored:MirroredStrategy",
     "multi_worker": "tfdist.strategies.multi_worker:MultiWorkerStrategy",
     "horovod": "tfdist.strategies.horovod:HorovodStrategy",
+    "dtensor": "tfdist.strategies.dtensor:DTensorStrategy",
 })
 names = _REGISTRY.names
 check_name = _REGISTRY.check

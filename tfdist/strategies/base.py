@@ -52,6 +52,18 @@ class Strategy(abc.ABC):
         """Replicas across all workers; the global batch is split over them."""
 
     @property
+    def replica_copies(self) -> int:
+        """Copies of the replica step whose results `all_reduce_sum` adds up.
+
+        `num_replicas` for replica-based engines (each replica runs the step
+        on its share of the batch); 1 for SPMD engines (DTensor), where one
+        program computes over the whole global batch and reductions are
+        implicit. Loss terms added once per copy (regularization) and state
+        averaged over copies (BatchNorm statistics) use this.
+        """
+        return self.num_replicas
+
+    @property
     def num_workers(self) -> int:
         return 1
 
@@ -72,6 +84,34 @@ class Strategy(abc.ABC):
     def describe(self) -> str:
         """One line naming the engine and its devices, for the start-up log."""
         return f"{self.name}: {self.num_replicas} replica(s)"
+
+    def set_layout_rules(self, rules) -> None:
+        """The model's tensor-sharding rules (`tfdist.sharding.LayoutRules`);
+        only engines that shard tensors (dtensor) use them."""
+
+    def prepare_optimizer(self, optimizer, variables) -> None:
+        """Called once the optimizer is built on `variables` (its slots exist)."""
+
+    def to_host(self, value):
+        """`value` (a tensor or variable the engine made) as a host tensor."""
+        import tensorflow as tf
+        return tf.convert_to_tensor(value)
+
+    def summary_fields(self, model, optimizer) -> dict:
+        """Engine-specific entries of the run summary."""
+        return {}
+
+    def check_config(self, config) -> None:
+        """Raise `UsageError` for a `RunConfig` this engine cannot run."""
+
+    def function(self, fn: Callable) -> Callable:
+        """`fn` compiled for this engine (the trainer's in-graph loops).
+
+        Called with host values (an iterator, a step count); must return
+        host-readable tensors (`.numpy()`).
+        """
+        import tensorflow as tf
+        return tf.function(fn)
 
     # -- data --------------------------------------------------------------
     @abc.abstractmethod

@@ -83,8 +83,8 @@ class Trainer:
         if checkpointer_factory is not None:
             self.checkpointer = checkpointer_factory(
                 model=model, optimizer=optimizer, step=self.step)
-        self._train_loop = tf.function(self._train_loop_fn)
-        self._eval_loop = tf.function(self._eval_loop_fn)
+        self._train_loop = strategy.function(self._train_loop_fn)
+        self._eval_loop = strategy.function(self._eval_loop_fn)
 
     # -- replica steps (run on every replica inside tf.function) -----------
     def _micro_batch_gradients(self, x, y):
@@ -97,7 +97,8 @@ class Trainer:
             loss = tf.reduce_sum(per_example) / self.global_batch_size
             if self.model.losses:
                 regularization = tf.add_n(self.model.losses)
-                loss += regularization / (self.strategy.num_replicas * self.train_config.accum_steps)
+                loss += regularization / (self.strategy.replica_copies
+                                          * self.train_config.accum_steps)
             # Identity unless the optimizer scales losses (mixed_float16): then
             # the gradients come out scaled and `apply` unscales them.
             scaled_loss = self.optimizer.scale_loss(loss)
@@ -144,7 +145,7 @@ class Trainer:
             return tf.constant(0.0)
         summed = self.strategy.all_reduce_sum([v.value for v in state])
         for variable, total in zip(state, summed):
-            variable.assign(total / self.strategy.num_replicas)
+            variable.assign(total / self.strategy.replica_copies)
         return tf.constant(0.0)
 
     def _replica_eval_step(self, batch):
@@ -162,8 +163,9 @@ class Trainer:
             # collectives early, which engines that name them (Horovod) refuse.
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
             totals += self.strategy.run(self._replica_train_step, next(iterator))
-        if self.strategy.num_replicas > 1:
+        if self.strategy.replica_copies > 1:
             self.strategy.run(self._replica_sync_state)
+        self.step.assign_add(tf.cast(num_steps, tf.int64))
         return totals
 
     def _eval_loop_fn(self, iterator, num_steps):
@@ -190,7 +192,7 @@ class Trainer:
                 self.inputs, global_batch_size=self.global_batch_size, num_pipelines=pipelines)
             self._eval_data = strategy.distribute_dataset(inputs_lib.eval_dataset_fn(
                 self.inputs, global_batch_size=self.global_batch_size, steps=self.eval_steps,
-                replicas_per_pipeline=strategy.num_replicas // pipelines))
+                replicas_per_pipeline=strategy.replica_copies // pipelines))
         return iter(train)
 
     def evaluate(self) -> dict:
@@ -219,7 +221,7 @@ class Trainer:
         # the checkpoint it restored), even where workers cannot see its files.
         self.strategy.broadcast_variables(
             [*self.model.variables, *self.optimizer.variables, self.step])
-        step = int(self.step.numpy())
+        step = int(self.strategy.to_host(self.step).numpy())
         iterator = self._make_data(step)
         progress = Progress(self.total_steps, start=step, enabled=self.strategy.is_chief)
         timed_examples, timed_seconds, first_loop = 0, 0.0, True
@@ -229,7 +231,6 @@ class Trainer:
             started = time.perf_counter()
             totals = self._train_loop(iterator, tf.constant(stop - step)).numpy()
             seconds = time.perf_counter() - started
-            self.step.assign(stop)
             examples = (stop - step) * self.global_batch_size
             if not first_loop:  # the first call traces and compiles the graph
                 timed_examples, timed_seconds = timed_examples + examples, timed_seconds + seconds

@@ -1,0 +1,291 @@
+"""`dtensor`: tensor sharding (model parallel and hybrid data x model) with
+`tf.experimental.dtensor`, for unchanged Keras 3 models.
+
+The whole step runs SPMD on DTensor values: one program over the global
+batch, split over the mesh's `batch` axis, with variables split over its
+`model` axis by the model's layout rules (`tfdist/sharding.py`). There are
+no replicas to reduce across: DTensor inserts the collectives a layout needs,
+so `all_reduce_sum` is the identity and `replica_copies` is 1.
+
+How a Keras 3 model lands on the mesh (Keras has no DTensor path on the
+TensorFlow backend): the model and optimizer are built inside
+`tf.variable_creator_scope`, whose creator turns each variable's initial value
+into a DTensor with the layout its rule gives. Optimizer slots always take
+their variable's layout (a slot on another layout makes Adam silently wrong),
+or with `--shard_optimizer_state` additionally split over `batch` (ZeRO-1);
+the updates run through `dtensor_updates`, which never reads a slot back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist import cluster, sharding
+from tfdist.errors import UsageError
+from tfdist.strategies.base import Strategy
+from tfdist.strategies import dtensor_updates
+
+
+def _keras_path(initial_value, name: str) -> str:
+    """The Keras path (e.g. `transformer/block0/attn/query/kernel`) of a variable
+    being created.
+
+    Keras creates the `tf.Variable` lazily, after its name scopes have closed,
+    so `tf.get_current_name_scope()` loses nested layers' scopes; the deferred
+    initial value is a closure over the Keras `Variable`, which knows its path.
+    """
+    for cell in getattr(initial_value, "__closure__", None) or ():
+        try:
+            owner = cell.cell_contents
+        except ValueError:
+            continue
+        if hasattr(owner, "path") and hasattr(owner, "_initialize"):
+            return owner.path
+    scope = tf.get_current_name_scope()
+    return f"{scope}/{name}" if scope else name
+
+
+def _read(variable):
+    """The current value (a DTensor) of a Keras or TensorFlow variable."""
+    inner = getattr(variable, "_value", variable)   # a Keras Variable wraps a tf.Variable
+    return inner.read_value() if isinstance(inner, tf.Variable) else tf.convert_to_tensor(inner)
+
+
+class MeshVariable(dtensor.DVariable):
+    """A DTensor variable that also takes and gives host values eagerly.
+
+    So a model on the mesh works like any Keras model outside the step:
+    `set_weights`/`load_weights` (a user's `model_fn` may load pretrained
+    weights), `get_weights`, `numpy()`, `save`: host arrays are laid out on
+    assignment and shards are gathered on reading.
+    """
+
+    def _host_to_mesh(self, value):
+        if not tf.executing_eagerly() or dtensor.is_dtensor(value):
+            return value
+        layout = self.layout
+        value = tf.cast(tf.convert_to_tensor(value), self.dtype)
+        replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
+        return dtensor.relayout(dtensor.copy_to_mesh(value, replicated), layout)
+
+    def assign(self, value, *args, **kwargs):
+        return super().assign(self._host_to_mesh(value), *args, **kwargs)
+
+    def assign_add(self, value, *args, **kwargs):
+        return super().assign_add(self._host_to_mesh(value), *args, **kwargs)
+
+    def assign_sub(self, value, *args, **kwargs):
+        return super().assign_sub(self._host_to_mesh(value), *args, **kwargs)
+
+    def numpy(self):
+        value = self.read_value()
+        replicated = dtensor.Layout.replicated(self.layout.mesh, value.shape.rank)
+        return dtensor.unpack(dtensor.relayout(value, replicated))[0].numpy()
+
+    def __array__(self, dtype=None):
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+
+class DTensorStrategy(Strategy):
+    name = "dtensor"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layout_rules = sharding.LayoutRules()
+        self.axes = dict(sharding.parse_mesh(config.mesh))
+        self.mesh = None
+        self.created = []        # (path, shape, spec, kind) in creation order
+        self._var_specs = {}     # model variable path -> spec
+
+    # -- lifecycle ---------------------------------------------------------
+    def setup(self) -> None:
+        size = self.axes[sharding.BATCH] * self.axes[sharding.MODEL]
+        wanted = self.config.virtual_devices
+        if wanted and wanted != size:
+            raise UsageError(f"--mesh={self.config.mesh} needs {size} devices but "
+                             f"--virtual_devices={wanted}; set --virtual_devices={size}")
+        devices = cluster.local_devices(size if wanted else None)
+        if len(devices) < size or (not wanted and len(devices) != size):
+            raise UsageError(f"--mesh={self.config.mesh} needs {size} devices; this host has "
+                             f"{len(devices)} ({', '.join(d.rsplit('/', 1)[-1] for d in devices)})")
+        self.mesh = dtensor.create_mesh(
+            list(sharding.parse_mesh(self.config.mesh)), devices=devices[:size])
+
+    def check_config(self, config) -> None:
+        if config.train.grad_compression != "none":
+            raise UsageError(
+                f"--grad_compression={config.train.grad_compression} does not apply to "
+                "--strategy=dtensor: DTensor reduces gradients inside its SPMD program, not "
+                "through an all-reduce tfdist could cast; use --grad_compression=none")
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel width: the global batch is split over the `batch` axis."""
+        return self.axes[sharding.BATCH]
+
+    @property
+    def replica_copies(self) -> int:
+        return 1
+
+    def describe(self) -> str:
+        return (f"dtensor: mesh batch:{self.axes['batch']} x model:{self.axes['model']} on "
+                f"{', '.join(self.mesh.local_devices())}")
+
+    # -- variables on the mesh ----------------------------------------------
+    def set_layout_rules(self, rules) -> None:
+        self.layout_rules = rules
+
+    def _spec_for(self, path: str, shape) -> tuple:
+        for var_path, spec in sorted(self._var_specs.items(), key=lambda kv: -len(kv[0])):
+            flat = var_path.replace("/", "_")
+            if "/" in path and path.split("/", 1)[1].startswith(flat + "_") and \
+                    len(spec) == len(shape):
+                # An optimizer slot, `<optimizer>/<variable path with _>_<slot>`:
+                # its variable's layout (plus `batch` under ZeRO-1).
+                if self.config.shard_optimizer_state and len(shape) >= 2:
+                    return sharding.zero_spec(spec, shape, self.axes), "slot"
+                return spec, "slot"
+        spec = self.layout_rules.spec_for(path, shape, self.axes)
+        return spec, "variable"
+
+    def _creator(self, next_creator, **kwargs):
+        initial_value = kwargs["initial_value"]
+        path = _keras_path(initial_value, kwargs.get("name") or "")
+        with tf.init_scope():
+            value = initial_value() if callable(initial_value) else initial_value
+            value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+            if dtensor.is_dtensor(value):
+                # Optimizer slots are made "colocated with" their variable, so
+                # their zeros arrive as DTensors already, on some layout: gather.
+                value = self.to_host(value)
+            spec, kind = self._spec_for(path, value.shape.as_list())
+            if kind == "variable":
+                self._var_specs[path] = spec
+            self.created.append((path, tuple(value.shape.as_list()), spec, kind))
+            layout = dtensor.Layout([a or dtensor.UNSHARDED for a in spec], self.mesh)
+            kwargs["initial_value"] = self._to_layout(value, layout)
+        return MeshVariable(kwargs["initial_value"], trainable=kwargs.get("trainable", True),
+                            name=kwargs.get("name"), dtype=kwargs.get("dtype"))
+
+    def _to_layout(self, value, layout):
+        value = tf.convert_to_tensor(value)
+        replicated = dtensor.Layout.replicated(self.mesh, value.shape.rank)
+        return dtensor.relayout(dtensor.copy_to_mesh(value, replicated), layout)
+
+    @contextlib.contextmanager
+    def scope(self):
+        # Not inside `dtensor.default_mesh`: there, variables skip the creator.
+        with tf.variable_creator_scope(self._creator):
+            yield
+
+    def prepare_optimizer(self, optimizer, variables) -> None:
+        """Slots follow their variables; updates that are correct on DTensors."""
+        var_layouts, slot_layouts = [], []
+        zero = self.config.shard_optimizer_state
+        for variable in variables:
+            layout = dtensor.fetch_layout(_read(variable))
+            var_layouts.append(layout)
+            spec = tuple(None if a == dtensor.UNSHARDED else a for a in layout.sharding_specs)
+            slot = sharding.zero_spec(spec, variable.shape, self.axes) \
+                if zero and len(variable.shape) >= 2 else spec
+            slot_layouts.append(None if slot == spec else dtensor.Layout(
+                [a or dtensor.UNSHARDED for a in slot], self.mesh))
+        dtensor_updates.install(optimizer, dtensor_updates.LayoutTable(var_layouts, slot_layouts))
+
+    # -- data --------------------------------------------------------------
+    @property
+    def num_input_pipelines(self) -> int:
+        return 1   # one global-batch pipeline; DTensorDataset splits it over the mesh
+
+    def distribute_dataset(self, dataset_fn):
+        context = tf.distribute.InputContext(1, 0, 1)   # batches of the global size
+        dataset = dataset_fn(context)
+        first = dataset.element_spec
+        global_batch = tf.nest.flatten(first)[0].shape[0]
+        layouts = tf.nest.map_structure(
+            lambda s: dtensor.Layout.batch_sharded(self.mesh, sharding.BATCH, s.shape.rank), first)
+        return dtensor.DTensorDataset(dataset.unbatch(), mesh=self.mesh, layouts=layouts,
+                                      global_batch_size=global_batch,
+                                      batch_dim=sharding.BATCH)
+
+    # -- stepping ----------------------------------------------------------
+    def function(self, fn):
+        compiled = tf.function(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            args = [self._to_layout(a, dtensor.Layout.replicated(self.mesh, a.shape.rank))
+                    if isinstance(a, tf.Tensor) and not dtensor.is_dtensor(a) else a
+                    for a in args]
+            with dtensor.default_mesh(self.mesh):
+                result = compiled(*args)
+            return tf.nest.map_structure(self.to_host, result)
+
+        return call
+
+    def to_host(self, value):
+        """A replicated DTensor (or DVariable) as an ordinary host tensor."""
+        if isinstance(value, MeshVariable):
+            return tf.constant(value.numpy())
+        value = tf.convert_to_tensor(value)
+        if not dtensor.is_dtensor(value):
+            return value
+        replicated = dtensor.Layout.replicated(self.mesh, value.shape.rank)
+        return dtensor.unpack(dtensor.relayout(value, replicated))[0]
+
+    def run(self, replica_fn, *args):
+        return replica_fn(*args)
+
+    def _all_reduce_sum(self, tensors):
+        return list(tensors)   # one SPMD program over the global batch: already global
+
+    # -- introspection (--print_layouts, the run summary) -------------------
+    def device_bytes(self, variables) -> int:
+        """Bytes of `variables` held by the first device of the mesh."""
+        total = 0
+        for variable in variables:
+            shard = dtensor.unpack(_read(variable))[0]
+            total += int(np.prod(shard.shape)) * shard.dtype.size
+        return total
+
+    def summary_fields(self, model, optimizer) -> dict:
+        return {"mesh": f"batch:{self.axes['batch']},model:{self.axes['model']}",
+                "shard_optimizer_state": self.config.shard_optimizer_state,
+                "device_parameter_bytes": self.device_bytes(model.variables),
+                "device_optimizer_bytes": self.device_bytes(optimizer.variables)}
+
+    def layout_report(self, model, optimizer) -> str:
+        """A table of every variable (model, then optimizer) and the per-device totals."""
+        rows = [("path", "shape", "spec", "global bytes", "bytes/device")]
+        kinds = {id(v): "model" for v in model.variables}
+        totals = {"model": [0, 0], "optimizer": [0, 0]}
+        for variable in [*model.variables, *optimizer.variables]:
+            value = _read(variable)
+            layout = dtensor.fetch_layout(value)
+            spec = tuple(None if a == dtensor.UNSHARDED else a for a in layout.sharding_specs)
+            global_bytes = int(np.prod(value.shape)) * value.dtype.size
+            device = self.device_bytes([variable])
+            kind = kinds.get(id(variable), "optimizer")
+            totals[kind][0] += global_bytes
+            totals[kind][1] += device
+            rows.append((variable.path, "x".join(map(str, value.shape)) or "scalar",
+                         sharding.describe_spec(spec), f"{global_bytes:,}", f"{device:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.append(f"mesh batch:{self.axes['batch']} x model:{self.axes['model']}"
+                     f"{' (optimizer state sharded over batch: ZeRO-1)' if self.config.shard_optimizer_state else ''}")
+        for kind, (global_bytes, device) in totals.items():
+            lines.append(f"{kind} total: {global_bytes:,} bytes; per device {device:,} "
+                         f"({device / max(global_bytes, 1):.2f}x)")
+        both = [sum(t[i] for t in totals.values()) for i in (0, 1)]
+        lines.append(f"parameters + optimizer per device: {both[1]:,} bytes "
+                     f"({both[1] / max(both[0], 1):.2f}x of {both[0]:,})")
+        return "\n".join(lines)
