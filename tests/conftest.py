@@ -35,5 +35,24 @@ def run_cli(args, *, timeout=300, env=None, cwd=REPO):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_clis(arg_lists, *, timeout=300, envs=None):
+    """Run several `tfdist-train` invocations at once (each is mostly TensorFlow
+    start-up, so they overlap well); return their CompletedProcess in order.
+    `envs`: extra environment variables for each invocation."""
+    envs = envs or [{}] * len(arg_lists)
+    procs = [subprocess.Popen([os.path.join(BIN, "tfdist-train"), *args], cwd=REPO,
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, env in zip(arg_lists, envs)]
+    results = []
+    for args, proc in zip(arg_lists, procs):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            proc.kill()
+        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return results
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: starts real processes (slower)")

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tfdist import checkpointing, cluster
 from tfdist.errors import UsageError
 
-from conftest import BIN, REPO, run_cli
+from conftest import BIN, REPO, run_cli, run_clis
 
 pytestmark = pytest.mark.integration
 
@@ -55,8 +55,8 @@ def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
         (["--model=transformer", f"--data_dir={data_dir}"],
          "--model=transformer needs a dataset of kind tokens"),
     ]
-    for args, message in cases:
-        result = run_cli(QUICK + args, timeout=120)
+    results = run_clis([QUICK + args for args, _ in cases], timeout=180)
+    for (args, message), result in zip(cases, results):
         assert result.returncode == 2, (args, result.stderr[-2000:])
         error_lines = [l for l in result.stderr.splitlines() if "error:" in l]
         assert len(error_lines) == 1 and message in error_lines[0], (args, result.stderr[-2000:])

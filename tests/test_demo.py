@@ -27,10 +27,10 @@ def test_flagfile_values_and_overrides():
 
 
 def test_demo_reaches_90_percent_on_a_shortened_run(data_dir):
-    config = _demo_config("--train_steps=200", f"--data_dir={data_dir}")
+    config = _demo_config("--train_steps=100", f"--data_dir={data_dir}")
     summary = tfdist.train(config).summary
     assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
-    assert summary["steps"] == 200
+    assert summary["steps"] == 100
     assert summary["accuracy"] >= 0.90, summary
 
 
@@ -53,10 +53,13 @@ def test_readme_documents_every_flag():
 
 def test_mixed_precision_reaches_fp32_accuracy(data_dir):
     """bf16 and fp16 (loss-scaled) runs of the demo model end within 2 points
-    of float32 test accuracy on the bundled dataset (a shortened, smaller run)."""
+    of float32 test accuracy on the bundled dataset (a shortened, smaller run:
+    CPUs emulate float16 convolutions, ~15x slower than float32, and AVX2-only
+    CPUs emulate bfloat16 too)."""
     accuracy = {}
     for precision in ("float32", "mixed_bfloat16", "mixed_float16"):
-        config = _demo_config("--train_steps=300", "--model_width=16", "--global_batch_size=64",
+        config = _demo_config("--train_steps=150", "--model_width=8", "--global_batch_size=32",
+                              "--learning_rate=0.01", "--eval_every=0",
                               f"--precision={precision}", f"--data_dir={data_dir}")
         summary = tfdist.train(config).summary
         assert summary["precision"] == precision

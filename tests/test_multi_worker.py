@@ -14,7 +14,7 @@ from tfdist import checkpointing, cluster, models
 from tfdist.errors import UsageError
 
 from common import IMAGE_SPEC, assert_weights_close, mw_config, train_from
-from conftest import BIN, REPO, run_cli
+from conftest import BIN, REPO, run_cli, run_clis
 
 pytestmark = pytest.mark.integration
 LAUNCH = os.path.join(BIN, "tfdist-launch")
@@ -164,9 +164,11 @@ def test_bad_tf_config_is_rejected(text, message):
 
 
 def test_bad_tf_config_exits_2_without_waiting(tmp_path):
-    for text, message in BAD_TF_CONFIGS[::3]:
-        result = run_cli(["--strategy=multi_worker", "--model=mlp", "--train_steps=1"],
-                         env={"TF_CONFIG": text}, timeout=60)
+    cases = BAD_TF_CONFIGS[::3]
+    args = ["--strategy=multi_worker", "--model=mlp", "--train_steps=1"]
+    results = run_clis([args] * len(cases), envs=[{"TF_CONFIG": t} for t, _ in cases],
+                       timeout=90)
+    for (text, message), result in zip(cases, results):
         assert result.returncode == 2, result.stderr[-2000:]
         errors = [l for l in result.stderr.splitlines() if "error:" in l]
         assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
