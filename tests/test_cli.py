@@ -22,7 +22,7 @@ QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--strategy=bogus"], "--strategy='bogus' is not a registered strategy; valid: default, horovod, mirrored, multi_worker"),
+    (["--strategy=bogus"], "--strategy='bogus' is not a registered strategy; valid: default, dtensor, horovod, mirrored, multi_worker"),
     (["--model=bogus"], "--model='bogus' is not a registered model; valid: cnn, mlp, transformer"),
     (["--global_batch_size=0"], "--global_batch_size=0"),
     (["--train_steps=-3"], "--train_steps=-3"),
@@ -30,6 +30,8 @@ QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
     (["--no_such_flag=1"], "no_such_flag"),
     (["stray_argument"], "unexpected arguments 'stray_argument'"),
     (["--optimizer=rmsprop"], "--optimizer"),
+    (["--strategy=dtensor", "--mesh=batch:2"], "--mesh='batch:2' must name exactly the axes batch "
+                                               "and model"),
 ])
 def test_flag_errors_exit_2_before_tensorflow(args, message):
     result = run_cli(args, timeout=60)
@@ -54,6 +56,15 @@ def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
         ([f"--data_dir={a_file}"], f"--dataset=tfdist_shapes: cannot"),
         (["--model=transformer", f"--data_dir={data_dir}"],
          "--model=transformer needs a dataset of kind tokens"),
+        (["--strategy=dtensor", "--mesh=batch:2,model:2", f"--data_dir={data_dir}"],
+         "--mesh=batch:2,model:2 needs 4 devices but --virtual_devices=2; set "
+         "--virtual_devices=4"),
+        (["--strategy=dtensor", "--mesh=batch:1,model:2", "--model=transformer",
+          "--dataset=tfdist_tokens", "--model_width=12", "--num_heads=3", "--model_depth=1",
+          f"--data_dir={data_dir}"],
+         "layout rules: variable block0/attn/query/kernel (shape (12, 3, 4), rule "
+         "'attn/(query|key|value)/kernel$'): dimension 1 of size 3 is not divisible by mesh "
+         "axis model=2"),
     ]
     results = run_clis([QUICK + args for args, _ in cases], timeout=180)
     for (args, message), result in zip(cases, results):

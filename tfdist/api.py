@@ -129,7 +129,13 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     keras.utils.set_random_seed(config.train.seed)
     with strategy.scope():
         with precision.policy_scope():
-            model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+            try:
+                model = model_fn(inputs.spec) if model_fn else models.build(config.model,
+                                                                             inputs.spec)
+            except Exception:
+                if strategy.usage_error is not None:   # e.g. a bad layout rule
+                    raise strategy.usage_error from None
+                raise
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))

@@ -164,7 +164,11 @@ class DTensorStrategy(Strategy):
                 # Optimizer slots are made "colocated with" their variable, so
                 # their zeros arrive as DTensors already, on some layout: gather.
                 value = self.to_host(value)
-            spec, kind = self._spec_for(path, value.shape.as_list())
+            try:
+                spec, kind = self._spec_for(path, value.shape.as_list())
+            except UsageError as error:
+                self.usage_error = error
+                raise
             if kind == "variable":
                 self._var_specs[path] = spec
             self.created.append((path, tuple(value.shape.as_list()), spec, kind))
@@ -256,6 +260,9 @@ class DTensorStrategy(Strategy):
 
     def summary_fields(self, model, optimizer) -> dict:
         return {"mesh": f"batch:{self.axes['batch']},model:{self.axes['model']}",
+                # DTensor reduces inside its SPMD program, by layout; there is no
+                # per-update gradient all-reduce whose size tfdist could state.
+                "bytes_reduced_per_update": None,
                 "shard_optimizer_state": self.config.shard_optimizer_state,
                 "device_parameter_bytes": self.device_bytes(model.variables),
                 "device_optimizer_bytes": self.device_bytes(optimizer.variables)}
