@@ -3,9 +3,11 @@
 Run by tests under tfdist-launch (TF_CONFIG set per worker):
     python tests/mw_worker.py OUT_DIR STRATEGY STEPS [TRAIN_OVERRIDES_JSON]
 Loads OUT_DIR/initial.npz, trains (TrainConfig fields overridden by the JSON,
-e.g. {"accum_steps": 4}), writes OUT_DIR/weights-<worker>.npz.
+e.g. {"accum_steps": 4}; its "strategy" entry overrides StrategyConfig fields,
+e.g. {"strategy": {"mesh": "batch:2,model:2"}}), writes OUT_DIR/weights-<worker>.npz.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +20,11 @@ from common import mw_config, train_from  # noqa: E402
 
 def main(out_dir, strategy, steps, overrides="{}"):
     initial = list(np.load(os.path.join(out_dir, "initial.npz")).values())
-    result = train_from(mw_config(strategy, int(steps), **json.loads(overrides)), initial)
+    overrides = json.loads(overrides)
+    strategy_fields = overrides.pop("strategy", {})   # StrategyConfig fields, e.g. mesh
+    config = mw_config(strategy, int(steps), **overrides)
+    config = config.replace(strategy=dataclasses.replace(config.strategy, **strategy_fields))
+    result = train_from(config, initial)
     index = os.environ.get("HOROVOD_RANK") or str(
         json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"])
     np.savez(os.path.join(out_dir, f"weights-{index}.npz"), *result.model.get_weights())

@@ -52,18 +52,21 @@ def test_readme_documents_every_flag():
 
 
 def test_mixed_precision_reaches_fp32_accuracy(data_dir):
-    """bf16 and fp16 (loss-scaled) runs of the demo model end within 2 points
-    of float32 test accuracy on the bundled dataset (a shortened, smaller run:
-    CPUs emulate float16 convolutions, ~15x slower than float32, and AVX2-only
-    CPUs emulate bfloat16 too)."""
+    """bf16 and fp16 (loss-scaled) runs end within 2 points of float32 test
+    accuracy: the transformer on the bundled token dataset, trained to its
+    plateau (about 0.75: the next token is partly random). A matmul model:
+    CPUs emulate float16 convolutions (~15x slower than float32), which would
+    make the demo cnn too slow here; AVX2-only CPUs emulate bfloat16 too."""
     accuracy = {}
     for precision in ("float32", "mixed_bfloat16", "mixed_float16"):
-        config = _demo_config("--train_steps=150", "--model_width=8", "--global_batch_size=32",
+        config = _demo_config("--strategy=default", "--model=transformer",
+                              "--dataset=tfdist_tokens", "--model_width=32", "--model_depth=1",
+                              "--num_heads=2", "--train_steps=200", "--global_batch_size=32",
                               "--learning_rate=0.01", "--eval_every=0",
                               f"--precision={precision}", f"--data_dir={data_dir}")
         summary = tfdist.train(config).summary
         assert summary["precision"] == precision
         accuracy[precision] = summary["accuracy"]
-    assert accuracy["float32"] >= 0.9, accuracy
+    assert accuracy["float32"] >= 0.7, accuracy   # chance is 1/64
     for precision in ("mixed_bfloat16", "mixed_float16"):
         assert abs(accuracy[precision] - accuracy["float32"]) <= 0.02, accuracy

@@ -238,3 +238,104 @@ def test_mixed_precision_trains_on_the_mesh(references, precision):
     assert np.abs(got - want).max() <= 2 * 0.01 * 4
     assert np.abs(got - want).mean() <= 0.05 * np.abs(want - start).mean()
     assert result.summary["loss"] == pytest.approx(reference.summary["loss"], rel=2e-2)
+
+
+# -- a mesh across processes (integration) ------------------------------------
+TWO_BY_TWO = {"mesh": "batch:2,model:2", "virtual_devices": 2}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_two_processes_train_what_one_process_trains_on_the_same_mesh(tmp_path):
+    """2 processes x 2 virtual CPUs as one 2x2 mesh (tfdist-launch, TF_CONFIG)
+    == one process with 4 virtual CPUs on a 2x2 mesh, same global batches; the
+    chief's checkpoint holds every process's shards (restores in one process)."""
+    import dataclasses as dc
+    from common import mw_config, train_from
+    from test_multi_worker import LAUNCH, run_workers
+
+    model_dir = str(tmp_path / "run")
+    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "dtensor",
+                                   strategy=TWO_BY_TWO, model_dir=model_dir)
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)   # both processes gather the same global values
+    config = mw_config("dtensor")
+    config = config.replace(strategy=dc.replace(config.strategy, mesh="batch:2,model:2",
+                                                virtual_devices=4))
+    single = train_from(config, initial)
+    assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
+    for got, want in zip(workers[0], single.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    restored = train_from(mw_config("default", model_dir=model_dir), initial)
+    assert restored.summary["steps"] == 10                  # restored, nothing retrained
+    assert_variables_equal(restored.model.get_weights(), workers[0])
+
+
+def _free_ports(n):
+    import socket
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_dead_process_ends_the_mesh_with_a_fault_naming_it(tmp_path, data_dir):
+    """No launcher (as on Kubernetes): kill one process of a 2-process mesh;
+    the other fails its next collective and exits 1 naming the dead worker."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+    from conftest import BIN, REPO
+
+    addresses = [f"localhost:{p}" for p in _free_ports(2)]
+    args = [os.path.join(BIN, "tfdist-train"), "--strategy=dtensor", "--mesh=batch:2,model:2",
+            "--virtual_devices=2", "--model=mlp", "--train_steps=1000000", "--steps_per_loop=10",
+            "--log_every=10", "--collective_timeout_s=20", f"--data_dir={data_dir}"]
+    procs = []
+    for index in (0, 1):
+        tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": json.dumps(tf_config)}
+        procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=open(tmp_path / f"w{index}.log", "w")))
+    try:
+        deadline = time.monotonic() + 120
+        while "step 20/" not in (tmp_path / "w0.log").read_text():
+            assert all(p.poll() is None for p in procs), (tmp_path / "w0.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        procs[0].wait(timeout=20 + 10)   # bounded: a hang fails the test
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        for proc in procs:
+            proc.kill()
+    log = (tmp_path / "w0.log").read_text()
+    assert procs[0].returncode == 1, log[-2000:]
+    faults = [line for line in log.splitlines() if line.startswith("tfdist-train: fault:")]
+    assert len(faults) == 1, log[-3000:]
+    assert f"worker 0 ({addresses[0]}): peer worker 1 ({addresses[1]}) failed" in faults[0]
+    assert stopped_after < 20 + 10
+
+
+def test_print_layouts_lists_every_variable_and_the_totals(data_dir):
+    from tfdist import api
+    config = _config("dtensor", CASES["mlp"][0], mesh="batch:1,model:4")
+    report = api.describe_layouts(config, model_fn=lambda s: models.build(CASES["mlp"][0], s),
+                                  dataset_fn=image_dataset_fn, spec=IMAGE_SPEC,
+                                  layout_rules=models.layout_rules(CASES["mlp"][0]))
+    lines = report.splitlines()
+    kernel = next(l for l in lines if l.startswith("hidden_0/kernel "))
+    # 192x16 float32 = 12,288 bytes, split 4 ways over `model`.
+    assert kernel.split()[1:] == ["192x16", "(-,", "model)", "12,288", "3,072"], kernel
+    # Its Adam slot (Keras numbers repeated optimizers: adam, adam_1, ...).
+    assert any(l.startswith("adam") and "/hidden_0_kernel_momentum " in l
+               and l.endswith(" 3,072") for l in lines), report
+    assert lines[-1].startswith("parameters + optimizer per device:")

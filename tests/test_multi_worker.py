@@ -32,14 +32,15 @@ def _children(pid):
     return [int(p) for p in out.split()]
 
 
-def run_workers(launcher_args, tmp_path, strategy, steps=10, **train):
-    """Train `steps` on 2 processes (TrainConfig fields `train` overridden);
+def run_workers(launcher_args, tmp_path, engine, steps=10, **train):
+    """Train `steps` on 2 processes under strategy `engine` (TrainConfig fields
+    `train` overridden; `strategy={...}` overrides StrategyConfig fields);
     return each worker's final weights and the initial ones."""
-    initial = models.build(mw_config(strategy).model, IMAGE_SPEC).get_weights()
+    initial = models.build(mw_config(engine).model, IMAGE_SPEC).get_weights()
     np.savez(tmp_path / "initial.npz", *initial)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run([*launcher_args, sys.executable, "tests/mw_worker.py", str(tmp_path),
-                             strategy, str(steps), json.dumps(train)], cwd=REPO, env=env,
+                             engine, str(steps), json.dumps(train)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     return [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)], initial

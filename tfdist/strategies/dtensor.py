@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 
 import numpy as np
 import tensorflow as tf
@@ -28,7 +30,8 @@ from tensorflow.experimental import dtensor
 from tfdist import cluster, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
-from tfdist.strategies import dtensor_updates
+from tfdist.observe import watchdog
+from tfdist.strategies import dtensor_updates, multi_worker
 
 
 def _keras_path(initial_value, name: str) -> str:
@@ -100,12 +103,17 @@ class DTensorStrategy(Strategy):
         self.layout_rules = sharding.LayoutRules()
         self.axes = dict(sharding.parse_mesh(config.mesh))
         self.mesh = None
+        self._spec = None        # the cluster, when the mesh spans processes
         self.created = []        # (path, shape, spec, kind) in creation order
         self._var_specs = {}     # model variable path -> spec
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
         size = self.axes[sharding.BATCH] * self.axes[sharding.MODEL]
+        self._spec = cluster.resolve(self.config.worker_hosts, self.config.task_index)
+        if self._spec is not None and self._spec.num_workers > 1:
+            self._setup_clients(size)
+            return
         wanted = self.config.virtual_devices
         if wanted and wanted != size:
             raise UsageError(f"--mesh={self.config.mesh} needs {size} devices but "
@@ -116,6 +124,58 @@ class DTensorStrategy(Strategy):
                              f"{len(devices)} ({', '.join(d.rsplit('/', 1)[-1] for d in devices)})")
         self.mesh = dtensor.create_mesh(
             list(sharding.parse_mesh(self.config.mesh)), devices=devices[:size])
+
+    def _setup_clients(self, size: int) -> None:
+        """A mesh over several processes (DTensor "clients"), one per worker of
+        the cluster (TF_CONFIG, --worker_hosts or tfdist-launch), each
+        contributing its local devices."""
+        spec, config = self._spec, self.config
+        gpus = tf.config.list_physical_devices("GPU")
+        local = len(gpus) if gpus else (config.virtual_devices or 1)
+        if spec.num_workers * local != size:
+            raise UsageError(
+                f"--mesh={config.mesh} needs {size} devices but {spec.num_workers} workers x "
+                f"{local} local device(s) = {spec.num_workers * local}; set --virtual_devices="
+                f"{size // spec.num_workers if size % spec.num_workers == 0 else '?'} "
+                "or change the mesh")
+        os.environ.update({
+            "DTENSOR_JOBS": ",".join(spec.cluster[t][i] for t, i in spec.tasks),
+            "DTENSOR_CLIENT_ID": str(spec.worker_index),
+            "DTENSOR_NUM_CLIENTS": str(spec.num_workers),
+            "DTENSOR_JOB_NAME": "worker"})
+        device_type = "GPU" if gpus else "CPU"
+        me = spec.name(spec.worker_index)
+        # Like MultiWorkerMirroredStrategy, forming the cluster waits without
+        # limit for every peer: bound it, and name the peer that never came.
+        with watchdog.deadline(config.collective_timeout_s,
+                               f"{me}: the DTensor cluster did not form within "
+                               f"--collective_timeout_s={config.collective_timeout_s:g}s",
+                               multi_worker.peers(spec)):
+            dtensor.initialize_accelerator_system(
+                device_type, num_logical_cpu_devices=None if gpus else local)
+        self.mesh = dtensor.create_distributed_mesh(
+            list(sharding.parse_mesh(config.mesh)), device_type=device_type)
+        # TensorFlow's preemption notifier may swallow SIGTERM: keep it stoppable.
+        # (A peer that dies during training fails the next cross-process
+        # collective at once: "Connection reset by peer", named by describe_fault.)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    @property
+    def num_workers(self) -> int:
+        return self._spec.num_workers if self._clients else 1
+
+    @property
+    def worker_index(self) -> int:
+        return self._spec.worker_index if self._clients else 0
+
+    @property
+    def _clients(self) -> bool:
+        return self._spec is not None and self._spec.num_workers > 1
+
+    def describe_fault(self, error: Exception) -> str:
+        if not self._clients:
+            return super().describe_fault(error)
+        return multi_worker.describe_peer_fault(self._spec, self.worker_index, error)
 
     def check_config(self, config) -> None:
         if config.train.grad_compression != "none":
@@ -134,8 +194,10 @@ class DTensorStrategy(Strategy):
         return 1
 
     def describe(self) -> str:
+        where = (f"; this is {self._spec.name(self.worker_index)} of {self.num_workers} "
+                 f"processes" if self._clients else "")
         return (f"dtensor: mesh batch:{self.axes['batch']} x model:{self.axes['model']} on "
-                f"{', '.join(self.mesh.local_devices())}")
+                f"{', '.join(self.mesh.local_devices())}{where}")
 
     # -- variables on the mesh ----------------------------------------------
     def set_layout_rules(self, rules) -> None:
@@ -208,14 +270,33 @@ class DTensorStrategy(Strategy):
         return 1   # one global-batch pipeline; DTensorDataset splits it over the mesh
 
     def distribute_dataset(self, dataset_fn):
-        context = tf.distribute.InputContext(1, 0, 1)   # batches of the global size
-        dataset = dataset_fn(context)
-        first = dataset.element_spec
-        global_batch = tf.nest.flatten(first)[0].shape[0]
+        """Global batches from `dataset_fn`, split over the mesh's `batch` axis.
+
+        Every process reads the same global-batch stream (one input pipeline,
+        the same seed). `DTensorDataset` feeds each local data-parallel replica
+        consecutive per-replica batches of its process's dataset, so each
+        process keeps only the rows of its own replicas of every global batch.
+        """
+        dataset = dataset_fn(tf.distribute.InputContext(1, 0, 1))  # global batches
+        spec = dataset.element_spec
+        global_batch = tf.nest.flatten(spec)[0].shape[0]
+        replicas = self.axes[sharding.BATCH]
+        local = list(dict.fromkeys(loc[sharding.BATCH]
+                                   for loc in self.mesh.local_device_locations()))
+        if local != list(range(replicas)):
+            per_replica = global_batch // replicas
+            rows = tf.concat([tf.range(r * per_replica, (r + 1) * per_replica)
+                              for r in local], axis=0)
+            dataset = dataset.map(
+                lambda *parts: tf.nest.map_structure(lambda t: tf.gather(t, rows), parts))
+        options = tf.data.Options()
+        # Round-robin per-replica batches between local replicas (not by file).
+        options.experimental_distribute.auto_shard_policy = \
+            tf.data.experimental.AutoShardPolicy.DATA
         layouts = tf.nest.map_structure(
-            lambda s: dtensor.Layout.batch_sharded(self.mesh, sharding.BATCH, s.shape.rank), first)
-        return dtensor.DTensorDataset(dataset.unbatch(), mesh=self.mesh, layouts=layouts,
-                                      global_batch_size=global_batch,
+            lambda s: dtensor.Layout.batch_sharded(self.mesh, sharding.BATCH, s.shape.rank), spec)
+        return dtensor.DTensorDataset(dataset.unbatch().with_options(options), mesh=self.mesh,
+                                      layouts=layouts, global_batch_size=global_batch,
                                       batch_dim=sharding.BATCH)
 
     # -- stepping ----------------------------------------------------------

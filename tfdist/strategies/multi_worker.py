@@ -27,6 +27,33 @@ _IMPLEMENTATIONS = {
 }
 
 
+def describe_peer_fault(spec, my_index: int, error: Exception) -> str:
+    """One line naming the peer TensorFlow's error points at (".../task:N")."""
+    text = str(getattr(error, "message", error))
+    me = spec.name(my_index) if spec is not None else f"worker {my_index}"
+    match = re.search(r"/job:(chief|worker)/replica:\d+/task:(\d+)", text)
+    reason = re.findall(r'grpc_message:"([^"]+)"', text)
+    detail = reason[-1] if reason else (text.strip().splitlines() or [type(error).__name__])[0]
+    if match and spec is not None:
+        task_type, index = match.group(1), int(match.group(2))
+        if (task_type, index) in spec.tasks:
+            peer = spec.name(spec.tasks.index((task_type, index)))
+            return f"{me}: peer {peer} failed or is unreachable: {detail}"
+    return f"{me}: collective failed: {type(error).__name__}: {detail}"
+
+
+def peers(spec) -> list:
+    """(name, host, port) of every task but this one, for start-up deadlines."""
+    if spec is None:
+        return []
+    found = []
+    for index, (task_type, task_index) in enumerate(spec.tasks):
+        if index != spec.worker_index:
+            host, _, port = spec.cluster[task_type][task_index].rpartition(":")
+            found.append((spec.name(index), host, int(port)))
+    return found
+
+
 class MultiWorkerStrategy(TFDistributeStrategy):
     """One process per worker; every worker replicates over its local GPUs (or one CPU)."""
 
@@ -55,7 +82,7 @@ class MultiWorkerStrategy(TFDistributeStrategy):
             with watchdog.deadline(
                     config.collective_timeout_s,
                     f"{me}: the cluster did not form within --collective_timeout_s="
-                    f"{config.collective_timeout_s:g}s", self._peers()):
+                    f"{config.collective_timeout_s:g}s", peers(self._spec)):
                 strategy = tf.distribute.MultiWorkerMirroredStrategy(
                     cluster_resolver=resolver, communication_options=options)
         except RuntimeError as error:
@@ -77,18 +104,6 @@ class MultiWorkerStrategy(TFDistributeStrategy):
         # checkpoint survives.)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return strategy
-
-    def _peers(self):
-        """(name, host, port) of every other task, for the start-up deadline."""
-        spec = self._spec
-        if spec is None:
-            return []
-        peers = []
-        for index, (task_type, task_index) in enumerate(spec.tasks):
-            if index != spec.worker_index:
-                host, _, port = spec.cluster[task_type][task_index].rpartition(":")
-                peers.append((spec.name(index), host, int(port)))
-        return peers
 
     @property
     def num_workers(self) -> int:
@@ -113,18 +128,7 @@ class MultiWorkerStrategy(TFDistributeStrategy):
                 f"{' (chief)' if self.is_chief else ''}")
 
     def describe_fault(self, error: Exception) -> str:
-        """Name the peer TensorFlow's error points at (".../task:N")."""
-        text = str(getattr(error, "message", error))
-        me = self.worker_name(self.worker_index)
-        match = re.search(r"/job:(chief|worker)/replica:\d+/task:(\d+)", text)
-        reason = re.findall(r'grpc_message:"([^"]+)"', text)
-        detail = reason[-1] if reason else (text.strip().splitlines() or [type(error).__name__])[0]
-        if match and self._spec is not None:
-            task_type, index = match.group(1), int(match.group(2))
-            if (task_type, index) in self._spec.tasks:
-                peer = self._spec.name(self._spec.tasks.index((task_type, index)))
-                return f"{me}: peer {peer} failed or is unreachable: {detail}"
-        return f"{me}: collective failed: {type(error).__name__}: {detail}"
+        return describe_peer_fault(self._spec, self.worker_index, error)
 
     def broadcast_variables(self, variables) -> None:
         """Give every worker the chief's values (e.g. after the chief restored
