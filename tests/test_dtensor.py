@@ -144,8 +144,7 @@ def test_each_shard_holds_its_share(references):
         global_bytes = int(np.prod(variable.shape)) * 4
         split = int(np.prod([axes[a] for a in spec if a]))
         assert _shard_bytes(variable) == [global_bytes // split] * 4, variable.path
-        slot_spec = sharding.zero_spec(spec, variable.shape, axes) \
-            if len(variable.shape) >= 2 else spec
+        slot_spec = sharding.zero_spec(spec, variable.shape, axes)
         slot_split = int(np.prod([axes[a] for a in slot_spec if a]))
         for name in ("momentum", "velocity"):
             slot = slots[f"{variable.path.replace('/', '_')}_{name}"]

@@ -210,7 +210,7 @@ class DTensorStrategy(Strategy):
                     len(spec) == len(shape):
                 # An optimizer slot, `<optimizer>/<variable path with _>_<slot>`:
                 # its variable's layout (plus `batch` under ZeRO-1).
-                if self.config.shard_optimizer_state and len(shape) >= 2:
+                if self.config.shard_optimizer_state:
                     return sharding.zero_spec(spec, shape, self.axes), "slot"
                 return spec, "slot"
         spec = self.layout_rules.spec_for(path, shape, self.axes)
@@ -258,8 +258,7 @@ class DTensorStrategy(Strategy):
             layout = dtensor.fetch_layout(_read(variable))
             var_layouts.append(layout)
             spec = tuple(None if a == dtensor.UNSHARDED else a for a in layout.sharding_specs)
-            slot = sharding.zero_spec(spec, variable.shape, self.axes) \
-                if zero and len(variable.shape) >= 2 else spec
+            slot = sharding.zero_spec(spec, variable.shape, self.axes) if zero else spec
             slot_layouts.append(None if slot == spec else dtensor.Layout(
                 [a or dtensor.UNSHARDED for a in slot], self.mesh))
         dtensor_updates.install(optimizer, dtensor_updates.LayoutTable(var_layouts, slot_layouts))

@@ -11,8 +11,7 @@ compute each new slot value once, assign it, and use the computed value (never
 a read-back), with the same arithmetic as Keras (same formulas, same order).
 
 With `--shard_optimizer_state` a slot may be split over more mesh axes than its
-variable: the gradient is relaid out to the slot's layout, the update is
-computed there, and relaid out to the variable's layout before it is applied.
+variable: it is stored split, and gathered for the update (see `LayoutTable`).
 """
 
 from __future__ import annotations
@@ -23,37 +22,47 @@ from tensorflow.experimental import dtensor
 
 
 class LayoutTable:
-    """Layouts of each trainable variable and its slots, by the optimizer's index."""
+    """Layouts of each trainable variable and its slots, by the optimizer's index.
+
+    A slot split over more axes than its variable (ZeRO-1) is *stored* split;
+    for the update it is gathered to its variable's layout (`read`), and the
+    new value is split again when stored (`store`). The gradient and the
+    weight update keep the variable's layout: relaying out the gradient to the
+    slot's layout instead let DTensor's layout propagation push the split back
+    into the backward pass, which then failed to compile (EmitAllScatter).
+    """
 
     def __init__(self, var_layouts: list, slot_layouts: list):
         self.var_layouts, self.slot_layouts = var_layouts, slot_layouts
 
-    def to_slot(self, index: int, value):
-        layout = self.slot_layouts[index]
-        return value if layout is None else dtensor.relayout(value, layout)
-
-    def to_var(self, index: int, value):
+    def read(self, index: int, slot):
+        value = tf.convert_to_tensor(slot)
         if self.slot_layouts[index] is None:
             return value
         return dtensor.relayout(value, self.var_layouts[index])
+
+    def store(self, index: int, slot, value):
+        if self.slot_layouts[index] is not None:
+            value = dtensor.relayout(value, self.slot_layouts[index])
+        slot.assign(value)
 
 
 def _adam_update(self, gradient, variable, learning_rate):
     dtype = variable.dtype
     index = self._get_variable_index(variable)
     lr = tf.cast(learning_rate, dtype)
-    g = self._tfdist_layouts.to_slot(index, tf.cast(gradient, dtype))
+    g = tf.cast(gradient, dtype)
+    layouts = self._tfdist_layouts
     step = tf.cast(self.iterations + 1, dtype)
     alpha = lr * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), step)) / (
         1 - tf.pow(tf.cast(self.beta_1, dtype), step))
     m, v = self._momentums[index], self._velocities[index]
-    m_old, v_old = tf.convert_to_tensor(m), tf.convert_to_tensor(v)
+    m_old, v_old = layouts.read(index, m), layouts.read(index, v)
     m_new = m_old + (g - m_old) * (1 - self.beta_1)
     v_new = v_old + (tf.square(g) - v_old) * (1 - self.beta_2)
-    m.assign(m_new)
-    v.assign(v_new)
-    update = m_new * alpha / (tf.sqrt(v_new) + self.epsilon)
-    variable.assign_sub(self._tfdist_layouts.to_var(index, update))
+    layouts.store(index, m, m_new)
+    layouts.store(index, v, v_new)
+    variable.assign_sub(m_new * alpha / (tf.sqrt(v_new) + self.epsilon))
 
 
 def _sgd_update(self, gradient, variable, learning_rate):
@@ -64,11 +73,11 @@ def _sgd_update(self, gradient, variable, learning_rate):
     if not self.momentum:
         variable.assign_sub(g * lr)
         return
-    g = self._tfdist_layouts.to_slot(index, g)
+    layouts = self._tfdist_layouts
     m = self.momentums[index]
-    m_new = tf.convert_to_tensor(m) * tf.cast(self.momentum, dtype) - g * lr
-    m.assign(m_new)
-    variable.assign_add(self._tfdist_layouts.to_var(index, m_new))
+    m_new = layouts.read(index, m) * tf.cast(self.momentum, dtype) - g * lr
+    layouts.store(index, m, m_new)
+    variable.assign_add(m_new)
 
 
 def install(optimizer, layouts: LayoutTable) -> None:
