@@ -30,7 +30,7 @@ horovod: $(STAMP)
 	launch/build_horovod.sh $(VENV)
 
 test: $(STAMP) horovod
-	TFDIST_REQUIRE_HOROVOD=1 $(BIN)/python -m pytest -q tests
+	TFDIST_REQUIRE_HOROVOD=1 $(BIN)/python -m pytest -q --durations=15 tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m 'not integration'

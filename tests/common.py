@@ -84,9 +84,18 @@ TOKEN_SPEC = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(16,),
                          train_examples=256, eval_examples=64)
 
 
-def token_dataset_fn(split, context):
-    """Random token sequences; targets are the inputs shifted by one."""
-    rng = np.random.default_rng(2 if split == "train" else 3)
-    n = TOKEN_SPEC.train_examples if split == "train" else TOKEN_SPEC.eval_examples
-    seq = rng.integers(TOKEN_SPEC.num_classes, size=(n, 17)).astype(np.int32)
-    return shard(tf.data.Dataset.from_tensor_slices((seq[:, :-1], seq[:, 1:])), context)
+def token_dataset_fn_for(spec):
+    """A dataset_fn of random token sequences of `spec`; targets are the
+    inputs shifted by one."""
+    length = spec.input_shape[0]
+
+    def token_dataset_fn(split, context):
+        rng = np.random.default_rng(2 if split == "train" else 3)
+        n = spec.train_examples if split == "train" else spec.eval_examples
+        seq = rng.integers(spec.num_classes, size=(n, length + 1)).astype(np.int32)
+        return shard(tf.data.Dataset.from_tensor_slices((seq[:, :-1], seq[:, 1:])), context)
+
+    return token_dataset_fn
+
+
+token_dataset_fn = token_dataset_fn_for(TOKEN_SPEC)

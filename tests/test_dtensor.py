@@ -10,7 +10,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfdist
 from tfdist import models, sharding
@@ -18,7 +17,7 @@ from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError
 
 from common import (IMAGE_SPEC, PREDICTION_TOLERANCE, assert_variables_equal, image_dataset_fn,
-                    run_config)
+                    run_config, token_dataset_fn_for)
 
 # Vocabulary and length divisible by every model-axis size used here (the
 # transformer's embeddings are sharded on those dimensions).
@@ -26,12 +25,7 @@ TOKENS = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(16,), num
                      train_examples=256, eval_examples=64)
 
 
-def token_dataset_fn(split, context):
-    from tfdist.data.function_inputs import shard
-    rng = np.random.default_rng(2 if split == "train" else 3)
-    n = TOKENS.train_examples if split == "train" else TOKENS.eval_examples
-    seq = rng.integers(TOKENS.num_classes, size=(n, 17)).astype(np.int32)
-    return shard(tf.data.Dataset.from_tensor_slices((seq[:, :-1], seq[:, 1:])), context)
+token_dataset_fn = token_dataset_fn_for(TOKENS)
 
 
 CASES = {
@@ -49,9 +43,22 @@ def _config(strategy, model, *, mesh="batch:2,model:2", steps=4, batch=32, **tra
             name=strategy, virtual_devices=4 if strategy == "dtensor" else 2, mesh=mesh))
 
 
-def _train(config, case, initial):
-    model_config, spec, dataset_fn = CASES[case]
+_RUNS = {}
 
+
+def _train(config, case, initial, model_config=None):
+    """Train `case` from `initial` under `config`. Runs without a model_dir
+    are deterministic, so tests that only read a result share one run."""
+    default_model_config, spec, dataset_fn = CASES[case]
+    model_config = model_config or default_model_config
+    key = (config, case, model_config, id(initial))
+    if config.train.model_dir is None and key in _RUNS:
+        return _RUNS[key]
+    _RUNS[key] = _fresh_run(config, initial, model_config, spec, dataset_fn)
+    return _RUNS[key]
+
+
+def _fresh_run(config, initial, model_config, spec, dataset_fn):
     def model_fn(s):
         model = models.build(model_config, s)
         model.set_weights(initial)   # host values onto the mesh
@@ -105,6 +112,25 @@ def test_dtensor_accumulation_matches_one_big_batch(references):
     initial, reference = references["mlp"]
     result = _train(_config("dtensor", CASES["mlp"][0], accum_steps=2), "mlp", initial)
     _assert_matches(result, reference, initial)
+
+
+@pytest.mark.parametrize("case,optimizer,model", [
+    ("mlp", {"name": "adamw"}, {}),
+    ("mlp", {"name": "momentum", "learning_rate": 0.05}, {}),
+    ("mlp", {"clip_grad_norm": 0.01}, {}),
+    ("mlp", {"lr_decay": "cosine", "warmup_steps": 2}, {}),
+    ("transformer", {}, {"recompute": True}),
+])
+def test_trainer_features_match_one_device(references, case, optimizer, model):
+    """Optimizers, clipping, schedules and recomputation on the 2x2 mesh."""
+    initial, _ = references[case]
+    model_config = dataclasses.replace(CASES[case][0], **model)
+    results = []
+    for strategy in ("default", "dtensor"):
+        config = _config(strategy, model_config)
+        config = config.replace(optimizer=dataclasses.replace(config.optimizer, **optimizer))
+        results.append(_train(config, case, initial, model_config))
+    _assert_matches(results[1], results[0], initial)
 
 
 def _zero_config(model_config):

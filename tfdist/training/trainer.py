@@ -15,7 +15,6 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from tfdist.checkpointing import Checkpointer
 from tfdist.data import inputs as inputs_lib
