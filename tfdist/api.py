@@ -154,9 +154,12 @@ def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=
                          f"--strategy=dtensor, not --strategy={config.strategy.name}")
     strategy = strategies.create(config.strategy)
     strategy.setup()
-    inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
-    model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
-    return strategy.layout_report(model, optimizer)
+    try:
+        inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
+        model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
+        return strategy.layout_report(model, optimizer)
+    finally:
+        strategy.close()
 
 
 def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunResult:

@@ -104,7 +104,6 @@ class DTensorStrategy(Strategy):
         self.axes = dict(sharding.parse_mesh(config.mesh))
         self.mesh = None
         self._spec = None        # the cluster, when the mesh spans processes
-        self.created = []        # (path, shape, spec, kind) in creation order
         self._var_specs = {}     # model variable path -> spec
 
     # -- lifecycle ---------------------------------------------------------
@@ -233,7 +232,6 @@ class DTensorStrategy(Strategy):
                 raise
             if kind == "variable":
                 self._var_specs[path] = spec
-            self.created.append((path, tuple(value.shape.as_list()), spec, kind))
             layout = dtensor.Layout([a or dtensor.UNSHARDED for a in spec], self.mesh)
             kwargs["initial_value"] = self._to_layout(value, layout)
         return MeshVariable(kwargs["initial_value"], trainable=kwargs.get("trainable", True),
