@@ -25,6 +25,7 @@ import signal
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 from tensorflow.experimental import dtensor
 
 from tfdist import cluster, sharding
@@ -32,6 +33,18 @@ from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
 from tfdist.observe import watchdog
 from tfdist.strategies import dtensor_updates, multi_worker
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DTensor logs its whole server definition and mesh set-up at absl INFO
+    (dozens of lines per process); tfdist describes the mesh in one line."""
+    previous = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
 
 
 def _keras_path(initial_value, name: str) -> str:
@@ -121,8 +134,9 @@ class DTensorStrategy(Strategy):
         if len(devices) < size or (not wanted and len(devices) != size):
             raise UsageError(f"--mesh={self.config.mesh} needs {size} devices; this host has "
                              f"{len(devices)} ({', '.join(d.rsplit('/', 1)[-1] for d in devices)})")
-        self.mesh = dtensor.create_mesh(
-            list(sharding.parse_mesh(self.config.mesh)), devices=devices[:size])
+        with _quiet():
+            self.mesh = dtensor.create_mesh(
+                list(sharding.parse_mesh(self.config.mesh)), devices=devices[:size])
 
     def _setup_clients(self, size: int) -> None:
         """A mesh over several processes (DTensor "clients"), one per worker of
@@ -149,11 +163,12 @@ class DTensorStrategy(Strategy):
         with watchdog.deadline(config.collective_timeout_s,
                                f"{me}: the DTensor cluster did not form within "
                                f"--collective_timeout_s={config.collective_timeout_s:g}s",
-                               multi_worker.peers(spec)):
+                               multi_worker.peers(spec)), _quiet():
             dtensor.initialize_accelerator_system(
                 device_type, num_logical_cpu_devices=None if gpus else local)
-        self.mesh = dtensor.create_distributed_mesh(
-            list(sharding.parse_mesh(config.mesh)), device_type=device_type)
+        with _quiet():
+            self.mesh = dtensor.create_distributed_mesh(
+                list(sharding.parse_mesh(config.mesh)), device_type=device_type)
         # TensorFlow's preemption notifier may swallow SIGTERM: keep it stoppable.
         # (A peer that dies during training fails the next cross-process
         # collective at once: "Connection reset by peer", named by describe_fault.)
