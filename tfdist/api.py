@@ -82,16 +82,19 @@ def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[st
     micro = f", {tc.accum_steps} micro-batches of {per_replica // tc.accum_steps}" \
         if tc.accum_steps > 1 else ""
     wire = tc.grad_compression if tc.grad_compression != "none" else "float32"
-    return [
+    lines = [
         f"hardware: {hardware.describe()}",
         strategy.describe(),
         f"model {model.name}: {model.count_params():,} parameters, precision {tc.precision}",
         f"dataset {spec.name}: global batch {tc.global_batch_size} = {strategy.num_replicas} "
         f"replica(s) x {per_replica}{micro}; {trainer.total_steps} steps",
-        f"gradients reduced per update: {trainer.bytes_per_update / 1e6:.2f} MB ({wire})",
         f"learning rate: peak {peak_lr:g} ({oc.lr_scaling} scaling of {oc.learning_rate:g} "
         f"from batch {oc.base_batch_size}), {oc.warmup_steps} warm-up steps, {oc.lr_decay}",
     ]
+    if strategy.replica_copies > 1:  # an explicit gradient all-reduce (not DTensor's SPMD)
+        lines.insert(4, f"gradients reduced per update: {trainer.bytes_per_update / 1e6:.2f} MB "
+                        f"({wire})")
+    return lines
 
 
 def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras.Model]] = None,
