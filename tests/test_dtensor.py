@@ -8,6 +8,7 @@ reordering error, not bit for bit: 1e-5 relative (as for mirrored).
 
 import dataclasses
 
+import keras
 import numpy as np
 import pytest
 
@@ -73,28 +74,36 @@ def references():
     """One-device training of each case (the reference), with its initial weights."""
     found = {}
     for case, (model_config, spec, _) in CASES.items():
+        keras.utils.set_random_seed(1)   # the same initial weights in every session
         initial = models.build(model_config, spec).get_weights()
         found[case] = initial, _train(_config("default", model_config), case, initial)
     return found
 
 
+ADAM_BOUND = 2 * 0.01 * 4   # 2 x lr x steps: the most two Adam runs can drift apart
+
+
 def _assert_matches(result, reference, initial):
+    """Weights within 1e-5 relative (as for mirrored), allowing for Adam.
+
+    Adam divides each gradient element by its own running RMS, so an element
+    whose gradient is ~0 turns float32 reordering noise into up to lr-sized
+    steps, with either sign (seen: 1.6e-5 on 1 of 3072 mlp weights, for one
+    random initialisation). Such elements are rare; a layout or update error
+    moves a whole shard. So: every weight within Adam's bound, and at most
+    0.1% of each variable's elements (at most 2) outside 1e-5 relative/absolute.
+    """
     weights = [v.numpy() for v in result.model.variables]
     expected = [v.numpy() for v in reference.model.variables]
     moved = max(np.abs(w - i).max() for w, i in zip(expected, initial))
     assert moved > 1e-3  # training moved the weights, so agreement means something
     for variable, got, want in zip(reference.model.variables, weights, expected):
+        assert np.abs(got - want).max() <= ADAM_BOUND, variable.path
         if variable.path.endswith("attn/key/bias"):
-            # Its exact gradient is 0 (softmax ignores a shift shared by all keys);
-            # Adam scales float noise there to lr-sized steps on any engine.
-            assert np.abs(got - want).max() <= 2 * 0.01 * 4, variable.path
-            continue
-        # rtol 1e-5 as for mirrored; atol 1e-5: Adam divides each gradient element by
-        # its own RMS, so where a gradient is nearly 0 the float32 reordering noise
-        # is magnified (seen: 1.5e-6 on one of 1024 transformer FFN weights). That
-        # is 2.5e-4 of the total displacement lr x steps = 0.04, while a layout
-        # error moves weights by lr-sized amounts (1e-2), so it is still caught.
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=variable.path)
+            continue  # its exact gradient is 0 (softmax ignores a shared shift): all noise
+        outside = ~np.isclose(got, want, rtol=1e-5, atol=1e-5)
+        assert outside.sum() <= max(2, outside.size // 1000), (
+            variable.path, int(outside.sum()), float(np.abs(got - want).max()))
     assert result.summary["loss"] == pytest.approx(reference.summary["loss"], rel=1e-5)
 
 
@@ -260,7 +269,7 @@ def test_mixed_precision_trains_on_the_mesh(references, precision):
     got = np.concatenate([w.ravel() for w in result.model.get_weights()])
     want = np.concatenate([w.ravel() for w in reference.model.get_weights()])
     start = np.concatenate([w.ravel() for w in initial])
-    assert np.abs(got - want).max() <= 2 * 0.01 * 4
+    assert np.abs(got - want).max() <= ADAM_BOUND
     assert np.abs(got - want).mean() <= 0.05 * np.abs(want - start).mean()
     assert result.summary["loss"] == pytest.approx(reference.summary["loss"], rel=2e-2)
 
