@@ -152,10 +152,10 @@ def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=
     """`--print_layouts`: each variable's path, global shape, spec and per-device
     bytes on `config.strategy.mesh` (with its optimizer slots), and the totals."""
     strategies.check_name(config.strategy.name)
-    if config.strategy.name != "dtensor":
-        raise UsageError(f"--print_layouts describes tensor sharding; it needs "
-                         f"--strategy=dtensor, not --strategy={config.strategy.name}")
     strategy = strategies.create(config.strategy)
+    if not strategy.shards_tensors:
+        raise UsageError(f"--print_layouts describes tensor sharding; --strategy="
+                         f"{config.strategy.name} does not shard tensors (use dtensor)")
     strategy.setup()
     try:
         inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)

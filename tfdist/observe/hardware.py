@@ -28,19 +28,19 @@ _FEATURES = (
 
 @functools.lru_cache(maxsize=None)
 def _cpuinfo() -> tuple[str, frozenset]:
-    model, flags = platform.processor() or platform.machine(), frozenset()
+    """(model name, ISA flags) of the first CPU in /proc/cpuinfo."""
+    model, flags = "", frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key == "model name" and not model:
+                    model = value
                 elif key in ("flags", "Features") and not flags:
                     flags = frozenset(value.split())
     except OSError:
         pass
-    return model, flags
+    return model or platform.processor() or platform.machine(), flags
 
 
 def cpu_model() -> str:

@@ -26,6 +26,9 @@ class Strategy(abc.ABC):
     """
 
     name: str = ""
+    # Whether the engine splits variables over devices by layout rules
+    # (`set_layout_rules`, `layout_report`); only such engines --print_layouts.
+    shards_tensors: bool = False
 
     def __init__(self, config: StrategyConfig):
         self.config = config
@@ -92,6 +95,10 @@ class Strategy(abc.ABC):
     def set_layout_rules(self, rules) -> None:
         """The model's tensor-sharding rules (`tfdist.sharding.LayoutRules`);
         only engines that shard tensors (dtensor) use them."""
+
+    def layout_report(self, model, optimizer) -> str:
+        """A table of every variable's sharding (engines that shard tensors)."""
+        raise NotImplementedError
 
     def prepare_optimizer(self, optimizer, variables) -> None:
         """Called once the optimizer is built on `variables` (its slots exist)."""

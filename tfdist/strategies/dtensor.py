@@ -72,6 +72,20 @@ def _read(variable):
     return inner.read_value() if isinstance(inner, tf.Variable) else tf.convert_to_tensor(inner)
 
 
+def _lay_out(value, layout):
+    """A host tensor as a DTensor with `layout` (copied to the mesh, then split)."""
+    value = tf.convert_to_tensor(value)
+    replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
+    return dtensor.relayout(dtensor.copy_to_mesh(value, replicated), layout)
+
+
+def _gather(value):
+    """A DTensor as one host tensor holding the whole (global) value."""
+    layout = dtensor.fetch_layout(value)
+    replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
+    return dtensor.unpack(dtensor.relayout(value, replicated))[0]
+
+
 class MeshVariable(dtensor.DVariable):
     """A DTensor variable that also takes and gives host values eagerly.
 
@@ -84,10 +98,7 @@ class MeshVariable(dtensor.DVariable):
     def _host_to_mesh(self, value):
         if not tf.executing_eagerly() or dtensor.is_dtensor(value):
             return value
-        layout = self.layout
-        value = tf.cast(tf.convert_to_tensor(value), self.dtype)
-        replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
-        return dtensor.relayout(dtensor.copy_to_mesh(value, replicated), layout)
+        return _lay_out(tf.cast(tf.convert_to_tensor(value), self.dtype), self.layout)
 
     def assign(self, value, *args, **kwargs):
         return super().assign(self._host_to_mesh(value), *args, **kwargs)
@@ -99,9 +110,7 @@ class MeshVariable(dtensor.DVariable):
         return super().assign_sub(self._host_to_mesh(value), *args, **kwargs)
 
     def numpy(self):
-        value = self.read_value()
-        replicated = dtensor.Layout.replicated(self.layout.mesh, value.shape.rank)
-        return dtensor.unpack(dtensor.relayout(value, replicated))[0].numpy()
+        return _gather(self.read_value()).numpy()
 
     def __array__(self, dtype=None):
         array = self.numpy()
@@ -110,6 +119,7 @@ class MeshVariable(dtensor.DVariable):
 
 class DTensorStrategy(Strategy):
     name = "dtensor"
+    shards_tensors = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -248,14 +258,9 @@ class DTensorStrategy(Strategy):
             if kind == "variable":
                 self._var_specs[path] = spec
             layout = dtensor.Layout([a or dtensor.UNSHARDED for a in spec], self.mesh)
-            kwargs["initial_value"] = self._to_layout(value, layout)
+            kwargs["initial_value"] = _lay_out(value, layout)
         return MeshVariable(kwargs["initial_value"], trainable=kwargs.get("trainable", True),
                             name=kwargs.get("name"), dtype=kwargs.get("dtype"))
-
-    def _to_layout(self, value, layout):
-        value = tf.convert_to_tensor(value)
-        replicated = dtensor.Layout.replicated(self.mesh, value.shape.rank)
-        return dtensor.relayout(dtensor.copy_to_mesh(value, replicated), layout)
 
     @contextlib.contextmanager
     def scope(self):
@@ -317,7 +322,7 @@ class DTensorStrategy(Strategy):
 
         @functools.wraps(fn)
         def call(*args):
-            args = [self._to_layout(a, dtensor.Layout.replicated(self.mesh, a.shape.rank))
+            args = [_lay_out(a, dtensor.Layout.replicated(self.mesh, a.shape.rank))
                     if isinstance(a, tf.Tensor) and not dtensor.is_dtensor(a) else a
                     for a in args]
             with dtensor.default_mesh(self.mesh):
@@ -327,14 +332,9 @@ class DTensorStrategy(Strategy):
         return call
 
     def to_host(self, value):
-        """A replicated DTensor (or DVariable) as an ordinary host tensor."""
-        if isinstance(value, MeshVariable):
-            return tf.constant(value.numpy())
-        value = tf.convert_to_tensor(value)
-        if not dtensor.is_dtensor(value):
-            return value
-        replicated = dtensor.Layout.replicated(self.mesh, value.shape.rank)
-        return dtensor.unpack(dtensor.relayout(value, replicated))[0]
+        """A DTensor or mesh variable as an ordinary host tensor."""
+        value = _read(value) if isinstance(value, tf.Variable) else tf.convert_to_tensor(value)
+        return _gather(value) if dtensor.is_dtensor(value) else value
 
     def run(self, replica_fn, *args):
         return replica_fn(*args)
