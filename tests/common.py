@@ -22,7 +22,12 @@ def image_dataset_fn(split, context):
 
 def run_config(strategy="default", *, optimizer="sgd", learning_rate=0.05, steps=5,
                batch=32, model="mlp", accum_steps=1, model_dir=None, steps_per_loop=None,
-               checkpoint_every=0, width=16, depth=1, **train):
+               checkpoint_every=0, width=16, depth=1, jit_compile="off", **train):
+    """A small in-process run. XLA is off unless asked for: these tests compare
+    the trainer's arithmetic across strategies and features to rounding, and
+    XLA compiles each variant into a differently fused program; its own
+    equivalence is tested in test_observe.py, and the CLI tests run the
+    default (--jit_compile=auto)."""
     return tfdist.RunConfig(
         strategy=tfdist.StrategyConfig(name=strategy, virtual_devices=2),
         model=tfdist.ModelConfig(name=model, width=width, depth=depth),
@@ -30,7 +35,7 @@ def run_config(strategy="default", *, optimizer="sgd", learning_rate=0.05, steps
         train=tfdist.TrainConfig(global_batch_size=batch, train_steps=steps,
                                  steps_per_loop=steps_per_loop or steps, accum_steps=accum_steps,
                                  model_dir=model_dir, checkpoint_every=checkpoint_every,
-                                 **train),
+                                 jit_compile=jit_compile, **train),
     )
 
 

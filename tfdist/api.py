@@ -25,8 +25,8 @@ from tfdist.data import tfds_inputs
 from tfdist.data.function_inputs import DatasetFn, FunctionInputs
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
-from tfdist.observe import hardware
-from tfdist.training import optimizers
+from tfdist.observe import flops, hardware, logs, peak
+from tfdist.training import optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.trainer import Trainer, total_steps
 
@@ -75,6 +75,27 @@ def write_summary(model_dir: str, summary: dict) -> None:
     os.replace(tmp, path)
 
 
+def slow_choice_warnings(config: RunConfig, jit_level: str,
+                         strategy_supports_xla: bool = True) -> list[str]:
+    """One line for each setting known to be slow on this CPU, with what is faster."""
+    tc, lines = config.train, []
+    bf16 = hardware.bf16_support()
+    if tc.precision == "mixed_bfloat16" and bf16 == "emulated":
+        lines.append("--precision=mixed_bfloat16 is emulated on this CPU (no AVX512-BF16 or "
+                     "AMX-BF16): its convolutions and non-XLA matmuls run slower than float32 "
+                     "(the demo cnn: 49 vs 230 examples/s on an AVX2 EPYC); use float32")
+    if tc.precision == "mixed_float16":
+        lines.append("--precision=mixed_float16 runs emulated float16 kernels on CPUs "
+                     "(0.5x float32 for the mlp, ~15x slower for convolutions, measured by "
+                     "bench/features.py): use float32, or mixed_bfloat16 on AMX CPUs")
+    auto = xla.auto_level(tc.precision)
+    if tc.jit_compile != "auto" and jit_level != auto and strategy_supports_xla:
+        lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
+                     f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "
+                     "(bench/vs_fit.py); --jit_compile=auto picks it")
+    return lines
+
+
 def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[str]:
     """The derived quantities a user should see before the first step."""
     tc, oc = config.train, config.optimizer
@@ -90,7 +111,14 @@ def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[st
         f"replica(s) x {per_replica}{micro}; {trainer.total_steps} steps",
         f"learning rate: peak {peak_lr:g} ({oc.lr_scaling} scaling of {oc.learning_rate:g} "
         f"from batch {oc.base_batch_size}), {oc.warmup_steps} warm-up steps, {oc.lr_decay}",
+        xla.describe(tc.jit_compile, trainer.jit_level),
     ]
+    if trainer.flops_per_example:
+        peak_text = (f"; this host's matmul peak for {tc.precision} "
+                     f"{trainer.peak_tflops:.3f} TFLOP/s (tfdist-peak)"
+                     if trainer.peak_tflops else "")
+        lines.append(f"training FLOPs per example: {trainer.flops_per_example / 1e6:.1f} M "
+                     f"(matmuls and convolutions, 3x forward){peak_text}")
     if strategy.replica_copies > 1:  # an explicit gradient all-reduce (not DTensor's SPMD)
         lines.insert(4, f"gradients reduced per update: {trainer.bytes_per_update / 1e6:.2f} MB "
                         f"({wire})")
@@ -116,6 +144,7 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
         models.check_name(config.model.name)
     strategy = strategies.create(config.strategy)
     strategy.setup()
+    logs.configure(strategy, log_all_ranks=config.train.log_all_ranks)
     try:
         return _train(config, strategy, model_fn, dataset_fn, spec, layout_rules)
     finally:
@@ -169,6 +198,10 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
     tc = config.train
     strategy.check_config(config)
     check_batch(config, strategy.num_replicas)
+    jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy)
+    if tc.profile_steps and not tc.model_dir:
+        raise UsageError(f"--profile_steps={','.join(map(str, tc.profile_steps))} writes its "
+                         "trace into model_dir/tensorboard; set --model_dir")
     if strategy.is_chief:
         check_model_dir(tc.model_dir)
     inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
@@ -183,12 +216,18 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
             return Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
                                 is_chief=strategy.is_chief, **trackables)
 
+    flops_per_example = flops.try_training_flops_per_example(model)
+    peak_tflops = peak.precision_peak_tflops(tc.precision, measure=strategy.is_chief) \
+        if flops_per_example else None
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,
-                      inputs=inputs, total_steps=steps, checkpointer_factory=checkpointer_factory)
+                      inputs=inputs, total_steps=steps, checkpointer_factory=checkpointer_factory,
+                      jit_level=jit_level, flops_per_example=flops_per_example,
+                      peak_tflops=peak_tflops)
     peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
-    if strategy.is_chief:
-        for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
-            logging.info(line)
+    for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
+        logging.info(line)
+    for line in slow_choice_warnings(config, jit_level, strategy.supports_xla):
+        logging.warning(line)
     try:
         metrics = trainer.fit()
     except tf.errors.OpError as error:
@@ -206,6 +245,13 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
         "accuracy": metrics.get("test_accuracy"),
         "test_loss": metrics.get("test_loss"),
         "examples_per_sec": metrics.get("examples_per_sec"),
+        "tflops": metrics.get("tflops"),
+        "mfu": metrics.get("mfu"),
+        "peak_tflops": peak_tflops,
+        "flops_per_example": flops_per_example,
+        "jit_compile": trainer.jit_level,
+        "grad_norm": metrics.get("grad_norm"),
+        **trainer.grad_agreement,
         "precision": tc.precision,
         "learning_rate": peak_lr,
         "final_learning_rate": optimizers.current_learning_rate(optimizer),
@@ -213,6 +259,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
         "grad_compression": tc.grad_compression,
         "bytes_reduced_per_update": trainer.bytes_per_update,
         "hardware": hardware.describe(),
+        "cpu": hardware.cpu_model(),
         **strategy.summary_fields(model, optimizer),
     }
     if strategy.is_chief and tc.model_dir:

@@ -21,6 +21,7 @@ GRAD_COMPRESSION = ("none", "fp16", "bf16")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 LR_SCALING = ("none", "linear", "sqrt")
 LR_DECAY = ("constant", "cosine")
+JIT_COMPILE = ("auto", "on", "off")
 
 
 def _one_of(name: str, value, valid) -> None:
@@ -163,6 +164,15 @@ class TrainConfig:
     keep_checkpoints: int = 3
     model_dir: Optional[str] = None     # None: no checkpoints, no summary file
     seed: int = 42
+    # XLA for the replica step: on, off, or auto (by precision and CPU ISA).
+    jit_compile: str = "auto"
+    # TensorBoard profiler trace of global steps [first, last] (inclusive); ().
+    profile_steps: tuple = ()
+    profile_all_ranks: bool = False     # trace on every worker/rank, not only the chief
+    log_all_ranks: bool = False         # progress lines from every worker, not only the chief
+    # Every N steps, the cosine similarity of each replica's gradient with the
+    # cross-replica mean (data-parallel engines); 0: never.
+    grad_agreement_every: int = 0
 
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)
@@ -182,6 +192,14 @@ class TrainConfig:
         _non_negative("checkpoint_every", self.checkpoint_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
         _non_negative("seed", self.seed)
+        _one_of("jit_compile", self.jit_compile, JIT_COMPILE)
+        if self.profile_steps:
+            steps = tuple(self.profile_steps)
+            if (len(steps) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                       for s in steps) or steps[0] > steps[1]):
+                raise ConfigError(f"profile_steps={self.profile_steps!r} must be two steps "
+                                  "A,B with 1 <= A <= B, e.g. 20,25")
+        _non_negative("grad_agreement_every", self.grad_agreement_every)
 
 
 @dataclasses.dataclass(frozen=True)

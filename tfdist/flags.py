@@ -128,6 +128,25 @@ _RECOMPUTE = flags.DEFINE_boolean(
     "recompute", False, "Gradient checkpointing: recompute the activations of each block "
     "(cnn, transformer) in the backward pass instead of keeping them.")
 
+_JIT_COMPILE = flags.DEFINE_enum(
+    "jit_compile", "auto", list(config_lib.JIT_COMPILE),
+    "XLA for the replica step: on (forward, backward and the fused optimizer update; the "
+    "cross-replica sum stays outside XLA), off, or auto (picked by --precision and the "
+    "CPU's ISA; the start-up log says what it chose).")
+_PROFILE_STEPS = flags.DEFINE_list(
+    "profile_steps", [], "Capture a TensorFlow profiler trace of global steps A,B (inclusive) "
+    "into model_dir/tensorboard (TensorBoard's profile tab); needs --model_dir.")
+_PROFILE_ALL_RANKS = flags.DEFINE_boolean(
+    "profile_all_ranks", False, "--profile_steps on every worker/rank (each in its own "
+    "directory), not only the chief.")
+_LOG_ALL_RANKS = flags.DEFINE_boolean(
+    "log_all_ranks", False, "Progress lines from every worker/rank; by default only the chief "
+    "logs progress (warnings and errors show from every rank).")
+_GRAD_AGREEMENT_EVERY = flags.DEFINE_integer(
+    "grad_agreement_every", 0, "Every N steps, measure the cosine similarity of each "
+    "replica's gradient with the cross-replica mean (data-parallel engines; TensorBoard "
+    "and summary); 0: never.", lower_bound=0)
+
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", None, "Directory for checkpoints and summary.json; a run resumes from its "
     "latest checkpoint. Default: none (nothing written).")
@@ -143,6 +162,14 @@ _DEFAULT_TRAIN_STEPS = 600
     ["train_steps", "epochs"], message="--train_steps and --epochs: set only one of them")
 def _one_length(values) -> bool:
     return values["train_steps"] is None or values["epochs"] is None
+
+
+def _profile_steps() -> tuple:
+    try:
+        return tuple(int(step) for step in _PROFILE_STEPS.value)
+    except ValueError:
+        raise UsageError(f"--profile_steps={','.join(_PROFILE_STEPS.value)} must be two "
+                         "step numbers A,B, e.g. 20,25") from None
 
 
 def run_config() -> config_lib.RunConfig:
@@ -179,7 +206,10 @@ def run_config() -> config_lib.RunConfig:
                 eval_every=_EVAL_EVERY.value,
                 log_every=_LOG_EVERY.value, checkpoint_every=_CHECKPOINT_EVERY.value,
                 keep_checkpoints=_KEEP_CHECKPOINTS.value, model_dir=_MODEL_DIR.value,
-                seed=_SEED.value),
+                seed=_SEED.value, jit_compile=_JIT_COMPILE.value,
+                profile_steps=_profile_steps(), profile_all_ranks=_PROFILE_ALL_RANKS.value,
+                log_all_ranks=_LOG_ALL_RANKS.value,
+                grad_agreement_every=_GRAD_AGREEMENT_EVERY.value),
         )
     except config_lib.ConfigError as error:  # a rule flags alone cannot express
         raise UsageError(str(error)) from None

@@ -7,8 +7,8 @@ import sys
 from absl import logging
 
 # Shown as their latest value, not averaged over the run.
-_METRICS = ("loss", "accuracy", "examples_per_sec", "test_loss", "test_accuracy",
-            "learning_rate", "loss_scale")
+_METRICS = ("loss", "accuracy", "examples_per_sec", "tflops", "mfu", "grad_norm", "test_loss",
+            "test_accuracy", "learning_rate", "loss_scale")
 
 
 def _format(metrics: dict) -> str:
@@ -16,7 +16,7 @@ def _format(metrics: dict) -> str:
     for key, value in metrics.items():
         if key in ("examples_per_sec", "loss_scale"):
             parts.append(f"{key}={value:.1f}")
-        elif key == "learning_rate":
+        elif key in ("learning_rate", "grad_norm"):
             parts.append(f"{key}={value:.3g}")
         else:
             parts.append(f"{key}={value:.4f}")
@@ -24,7 +24,7 @@ def _format(metrics: dict) -> str:
 
 
 class Progress:
-    """Reports training progress from the chief only."""
+    """Reports training progress (from the chief only, unless --log_all_ranks)."""
 
     def __init__(self, total_steps: int, *, start: int = 0, enabled: bool = True):
         self.total_steps = total_steps

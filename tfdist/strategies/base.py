@@ -29,6 +29,14 @@ class Strategy(abc.ABC):
     # Whether the engine splits variables over devices by layout rules
     # (`set_layout_rules`, `layout_report`); only such engines --print_layouts.
     shards_tensors: bool = False
+    # What a process is called in log lines ("[worker 0/2 chief]").
+    process_unit: str = "worker"
+    # XLA (--jit_compile): whether the replica step may be compiled, why not,
+    # and whether all of it (gradients, sum, update) fits in one XLA cluster
+    # (only where the cross-replica sum is no real collective).
+    supports_xla: bool = True
+    supports_xla_reason: str = ""
+    xla_whole_step: bool = False
 
     def __init__(self, config: StrategyConfig):
         self.config = config
@@ -165,6 +173,11 @@ class Strategy(abc.ABC):
             for position, value in zip(positions, summed):
                 reduced[position] = value
         return reduced
+
+    def replica_id(self):
+        """This replica's index in [0, num_replicas) (called in replica context)."""
+        import tensorflow as tf
+        return tf.distribute.get_replica_context().replica_id_in_sync_group
 
     def describe_fault(self, error: Exception) -> str:
         """One line naming what failed, for an engine error during training."""

@@ -14,6 +14,7 @@ class DefaultStrategy(TFDistributeStrategy):
     """
 
     name = "default"
+    xla_whole_step = True   # its cross-replica sum is the identity
 
     def _create(self):
         return tf.distribute.get_strategy()

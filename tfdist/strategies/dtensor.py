@@ -119,6 +119,9 @@ class MeshVariable(dtensor.DVariable):
 
 class DTensorStrategy(Strategy):
     name = "dtensor"
+    supports_xla = False
+    supports_xla_reason = ("DTensor expands its SPMD program itself, outside XLA, on CPU; "
+                           "it has no per-replica step to compile")
     shards_tensors = True
 
     def __init__(self, config):
@@ -202,6 +205,11 @@ class DTensorStrategy(Strategy):
         return multi_worker.describe_peer_fault(self._spec, self.worker_index, error)
 
     def check_config(self, config) -> None:
+        if config.train.grad_agreement_every:
+            raise UsageError(
+                f"--grad_agreement_every={config.train.grad_agreement_every} needs per-replica "
+                "gradients, which --strategy=dtensor's single SPMD program does not have; "
+                "use --grad_agreement_every=0")
         if config.train.grad_compression != "none":
             raise UsageError(
                 f"--grad_compression={config.train.grad_compression} does not apply to "

@@ -36,6 +36,7 @@ class HorovodStrategy(Strategy):
     """Data parallelism over Horovod ranks; rank 0 is the chief."""
 
     name = "horovod"
+    process_unit = "rank"
 
     def setup(self) -> None:
         hvd = _import_horovod()
@@ -74,6 +75,9 @@ class HorovodStrategy(Strategy):
 
     def run(self, replica_fn, *args):
         return replica_fn(*args)
+
+    def replica_id(self):
+        return self._hvd.rank()
 
     def _all_reduce_sum(self, tensors):
         if self.num_replicas == 1:

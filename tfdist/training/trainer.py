@@ -18,16 +18,19 @@ import tensorflow as tf
 
 from tfdist.checkpointing import Checkpointer
 from tfdist.data import inputs as inputs_lib
+from tfdist.observe import flops as flops_lib
 from tfdist.observe.progress import Progress
+from tfdist.observe.tensorboard import Profiler, TensorBoard
 from tfdist.strategies.base import Strategy
 from tfdist.errors import UsageError
-from tfdist.training import optimizers
+from tfdist.training import optimizers, xla
 from tfdist.training.compression import GradientCompression
 from tfdist.training.precision import Precision
 
 # Metric counters summed across replicas: loss sum over examples, correct
-# predictions, predictions made, examples seen (weighted in evaluation).
-_LOSS, _CORRECT, _PREDICTIONS, _EXAMPLES = range(4)
+# predictions, predictions made, examples seen (weighted in evaluation); the
+# train loop adds the sum over its steps of the global gradient norm.
+_LOSS, _CORRECT, _PREDICTIONS, _EXAMPLES, _GRAD_NORM = range(5)
 
 
 def _per_example_loss(y, logits):
@@ -63,7 +66,8 @@ class Trainer:
 
     def __init__(self, *, config, strategy: Strategy, model: keras.Model,
                  optimizer: keras.optimizers.Optimizer, inputs: inputs_lib.Inputs,
-                 total_steps: int, checkpointer_factory=None):
+                 total_steps: int, checkpointer_factory=None, jit_level: str = xla.OFF,
+                 flops_per_example: Optional[int] = None, peak_tflops: Optional[float] = None):
         self.config = config
         self.train_config = config.train
         self.strategy = strategy
@@ -82,6 +86,31 @@ class Trainer:
         if checkpointer_factory is not None:
             self.checkpointer = checkpointer_factory(
                 model=model, optimizer=optimizer, step=self.step)
+        self.jit_level = jit_level
+        self.flops_per_example, self.peak_tflops = flops_per_example, peak_tflops
+        # XLA: the whole replica step where the engine's sum is no collective;
+        # else the gradients, and the update fused per variable, around the sum.
+        self._step_fn, self._gradients_fn = self._replica_train_step, self._local_gradients
+        if jit_level == xla.STEP and strategy.xla_whole_step:
+            self._step_fn = tf.function(self._replica_train_step, jit_compile=True)
+        elif jit_level == xla.STEP:
+            self._gradients_fn = tf.function(self._local_gradients, jit_compile=True)
+            xla.fuse_optimizer_update(optimizer)
+        elif jit_level == xla.OPTIMIZER:
+            xla.fuse_optimizer_update(optimizer)
+        model_dir = tc.model_dir
+        logs_here = strategy.is_chief or tc.log_all_ranks
+        self.tensorboard = TensorBoard(model_dir, enabled=strategy.is_chief)
+        profile_dir = None
+        if model_dir:
+            from tfdist.observe import tensorboard
+            profile_dir = tensorboard.directory(model_dir)
+            if not strategy.is_chief:
+                profile_dir = f"{profile_dir}/worker_{strategy.worker_index}"
+        self.profiler = Profiler(tc.profile_steps, profile_dir,
+                                 enabled=strategy.is_chief or tc.profile_all_ranks)
+        self._logs_here = logs_here
+        self.grad_agreement: dict = {}
         self._train_loop = strategy.function(self._train_loop_fn)
         self._eval_loop = strategy.function(self._eval_loop_fn)
 
@@ -107,8 +136,8 @@ class Trainer:
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled_loss, variables)]
         return grads, _counters(y, logits, per_example, tf.ones_like(per_example))
 
-    def _replica_train_step(self, batch):
-        x, y = batch
+    def _local_gradients(self, x, y):
+        """This replica's gradient summed over its micro-batches, and counters."""
         k = self.train_config.accum_steps
         if k == 1:
             grads, counters = self._micro_batch_gradients(x, y)
@@ -124,11 +153,32 @@ class Trainer:
                 more, more_counters = self._micro_batch_gradients(xs[i], ys[i])
                 grads = [g + m for g, m in zip(grads, more)]
                 counters += more_counters
+        return grads, counters
+
+    def _replica_train_step(self, batch, measure_agreement: bool = False):
+        x, y = batch
+        local, counters = self._gradients_fn(x, y)
         variables = self.model.trainable_variables
-        reduced = self.strategy.all_reduce_sum(self.compression.compress(grads) + [counters])
+        reduced = self.strategy.all_reduce_sum(self.compression.compress(local) + [counters])
         grads, counters = self.compression.decompress(reduced[:-1], variables), reduced[-1]
+        # The global gradient's norm, before clipping and without loss scaling.
+        norm = tf.linalg.global_norm(grads)
+        scale = getattr(self.optimizer, "dynamic_scale", None)
+        if scale is not None:
+            norm = norm / tf.cast(scale, norm.dtype)
+        agreement = (self._replica_agreement(local, grads) if measure_agreement
+                     else tf.zeros([self.strategy.num_replicas]))
         self.optimizer.apply(grads, variables)
-        return counters
+        return tf.concat([counters, [norm]], axis=0), agreement
+
+    def _replica_agreement(self, local, summed):
+        """Cosine similarity of this replica's gradient with the cross-replica sum
+        (the mean's direction), gathered from every replica: one extra small sum,
+        only at the steps measured."""
+        dot = tf.add_n([tf.reduce_sum(a * b) for a, b in zip(local, summed)])
+        cosine = dot / (tf.linalg.global_norm(local) * tf.linalg.global_norm(summed) + 1e-30)
+        mine = tf.one_hot(self.strategy.replica_id(), self.strategy.num_replicas) * cosine
+        return self.strategy.all_reduce_sum([mine])[0]
 
     def _replica_sync_state(self):
         """Average non-trainable float state (BatchNorm moving statistics).
@@ -154,18 +204,26 @@ class Trainer:
         return self.strategy.all_reduce_sum([counters])[0]
 
     # -- in-graph loops ------------------------------------------------------
-    def _train_loop_fn(self, iterator, num_steps):
-        totals = tf.zeros([4])
-        for _ in tf.range(num_steps):
+    def _train_loop_fn(self, iterator, num_steps, measure_agreement: bool):
+        """`num_steps` replica steps. With `measure_agreement` (a Python bool:
+        its own trace) the last step also measures gradient agreement, which
+        adds a collective: collectives cannot sit in a `tf.cond` in replica
+        context, so that step is traced separately, after the loop."""
+        totals = tf.zeros([5])
+        for _ in tf.range(num_steps - 1 if measure_agreement else num_steps):
             # Steps are sequential by nature (each reads the last update); also
             # say so to the while loop, or it may start the next step's
             # collectives early, which engines that name them (Horovod) refuse.
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            totals += self.strategy.run(self._replica_train_step, next(iterator))
+            totals += self.strategy.run(self._step_fn, next(iterator))[0]
+        agreement = tf.zeros([self.strategy.num_replicas])
+        if measure_agreement:
+            step_totals, agreement = self.strategy.run(self._step_fn, next(iterator), True)
+            totals += step_totals
         if self.strategy.replica_copies > 1:
             self.strategy.run(self._replica_sync_state)
         self.step.assign_add(tf.cast(num_steps, tf.int64))
-        return totals
+        return totals, agreement
 
     def _eval_loop_fn(self, iterator, num_steps):
         totals = tf.zeros([4])
@@ -206,10 +264,31 @@ class Trainer:
         """The next step at which the outer loop must regain control."""
         tc = self.train_config
         stop = min(self.total_steps, step + tc.steps_per_loop)
-        for every in (tc.eval_every, tc.checkpoint_every, tc.log_every):
+        for every in (tc.eval_every, tc.checkpoint_every, tc.log_every,
+                      tc.grad_agreement_every):
             if every:
                 stop = min(stop, (step // every + 1) * every)
+        for boundary in self.profiler.boundaries():
+            if boundary > step:
+                stop = min(stop, boundary)
         return stop
+
+    def _throughput(self, examples_per_sec: float) -> dict:
+        """Model TFLOP/s and MFU for a measured examples/sec (when known)."""
+        if not self.flops_per_example:
+            return {}
+        metrics = {"tflops": flops_lib.model_tflops(examples_per_sec, self.flops_per_example)}
+        if self.peak_tflops:
+            metrics["mfu"] = flops_lib.mfu(examples_per_sec, self.flops_per_example,
+                                           self.peak_tflops)
+        return metrics
+
+    def _agreement_metrics(self, values) -> dict:
+        cosines = [float(v) for v in values]
+        metrics = {"grad_agreement_min": min(cosines),
+                   "grad_agreement_mean": sum(cosines) / len(cosines)}
+        metrics.update({f"grad_agreement_replica_{i}": c for i, c in enumerate(cosines)})
+        return metrics
 
     def fit(self) -> dict:
         """Train to `total_steps` (resuming from the latest checkpoint); return metrics."""
@@ -222,35 +301,56 @@ class Trainer:
             [*self.model.variables, *self.optimizer.variables, self.step])
         step = int(self.strategy.to_host(self.step).numpy())
         iterator = self._make_data(step)
-        progress = Progress(self.total_steps, start=step, enabled=self.strategy.is_chief)
+        progress = Progress(self.total_steps, start=step, enabled=self._logs_here)
         timed_examples, timed_seconds, first_loop = 0, 0.0, True
         train_metrics, eval_metrics = {}, {}
-        while step < self.total_steps:
-            stop = self._next_stop(step)
-            started = time.perf_counter()
-            totals = self._train_loop(iterator, tf.constant(stop - step)).numpy()
-            seconds = time.perf_counter() - started
-            examples = (stop - step) * self.global_batch_size
-            if not first_loop:  # the first call traces and compiles the graph
-                timed_examples, timed_seconds = timed_examples + examples, timed_seconds + seconds
-            first_loop, step = False, stop
-            train_metrics = {"loss": float(totals[_LOSS] / totals[_EXAMPLES]),
-                             "accuracy": float(totals[_CORRECT] / totals[_PREDICTIONS]),
-                             "examples_per_sec": examples / seconds,
-                             "learning_rate": optimizers.current_learning_rate(self.optimizer)}
-            loss_scale = Precision.loss_scale(self.optimizer)
-            if loss_scale is not None:
-                train_metrics["loss_scale"] = loss_scale
-            if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
-                eval_metrics = self.evaluate()
-            if self.checkpointer and ((tc.checkpoint_every and step % tc.checkpoint_every == 0)
-                                      or step == self.total_steps):
-                self.checkpointer.save(step)
-            progress.update(step, {**train_metrics, **eval_metrics},
-                            log=not tc.log_every or step % tc.log_every == 0
-                            or step == self.total_steps)
-        if not eval_metrics and self.inputs.has_eval:
-            eval_metrics = self.evaluate()  # resumed at the final step: still report accuracy
+        every = tc.grad_agreement_every
+        try:
+            while step < self.total_steps:
+                stop = self._next_stop(step)
+                self.profiler.before_loop(step)
+                started = time.perf_counter()
+                totals, agreement = self._train_loop(
+                    iterator, tf.constant(stop - step), bool(every) and stop % every == 0)
+                totals = totals.numpy()
+                seconds = time.perf_counter() - started
+                self.profiler.after_loop(stop)
+                examples = (stop - step) * self.global_batch_size
+                if not first_loop:  # the first call traces and compiles the graph
+                    timed_examples += examples
+                    timed_seconds += seconds
+                first_loop, loop_steps, step = False, stop - step, stop
+                train_metrics = {
+                    "loss": float(totals[_LOSS] / totals[_EXAMPLES]),
+                    "accuracy": float(totals[_CORRECT] / totals[_PREDICTIONS]),
+                    "examples_per_sec": examples / seconds,
+                    **self._throughput(examples / seconds),
+                    "learning_rate": optimizers.current_learning_rate(self.optimizer),
+                    "grad_norm": float(totals[_GRAD_NORM] / loop_steps)}
+                loss_scale = Precision.loss_scale(self.optimizer)
+                if loss_scale is not None:
+                    train_metrics["loss_scale"] = loss_scale
+                logged = dict(train_metrics)
+                if every and step % every == 0:
+                    self.grad_agreement = self._agreement_metrics(agreement.numpy())
+                    logged.update(self.grad_agreement)
+                if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
+                    eval_metrics = self.evaluate()
+                    logged.update(eval_metrics)
+                if self.checkpointer and ((tc.checkpoint_every and step % tc.checkpoint_every == 0)
+                                          or step == self.total_steps):
+                    self.checkpointer.save(step)
+                self.tensorboard.write(step, {
+                    **logged, "bytes_reduced_per_update": self.bytes_per_update})
+                progress.update(step, {**train_metrics, **eval_metrics},
+                                log=not tc.log_every or step % tc.log_every == 0
+                                or step == self.total_steps)
+            if not eval_metrics and self.inputs.has_eval:
+                eval_metrics = self.evaluate()  # resumed at the final step: still report accuracy
+        finally:
+            self.profiler.stop()
+            self.tensorboard.close()
         if timed_seconds:
             train_metrics["examples_per_sec"] = timed_examples / timed_seconds
+            train_metrics.update(self._throughput(timed_examples / timed_seconds))
         return {"steps": step, **train_metrics, **eval_metrics}

@@ -1,0 +1,203 @@
+"""Training FLOPs per example of a Keras 3 model, for model FLOP/s and MFU.
+
+The count is read off the TensorFlow graph of one example's forward pass
+(`model(x, training=False)` traced on a batch of 1), so it covers whatever
+Keras lowered a layer to: `Dense` on 2-D inputs is a `MatMul`, on 3-D inputs a
+`Tensordot` `MatMul`; `EinsumDense` (attention projections) a `BatchMatMulV2`
+or `Einsum`; `MultiHeadAttention` scores an `Einsum`; grouped convolutions a
+`Conv2D` inside a nested function. Nested function bodies (calls, `If`
+branches, `While` bodies) are walked too.
+
+Only matmul-class ops are counted (MatMul, BatchMatMul, Einsum with two
+operands, convolutions), each as 2 FLOPs per multiply-accumulate. Elementwise
+ops (activations, norms, softmax, bias adds) are left out on purpose: MFU
+compares against a matmul peak (`tfdist.observe.peak`), and those ops run
+nowhere near it; this is the convention of the PaLM/Megatron MFU figures.
+
+Caveats: a `While` body counts once (its trip count is a runtime value), so
+recurrent models are undercounted; of an `If`'s branches the costlier one
+counts. Every shape must be static once the batch is 1, else the count fails.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+# Training = forward + backward, and the backward pass of a matmul is two
+# matmuls of the same size (gradient w.r.t. the activations and w.r.t. the
+# weights), so a training step costs 3 forward passes (Kaplan et al. 2020's
+# 6 * params FLOPs per token). Recomputation (`--recompute`) is not counted:
+# MFU measures useful work, not work the run chose to redo.
+_TRAINING_PASSES = 3
+
+
+def forward_flops(model, input_signature=None) -> int:
+    """Matmul-class FLOPs of one example's forward pass through `model`.
+
+    `input_signature`: `tf.TensorSpec`s with a batch dimension of 1, structured
+    like the model's inputs (one spec, a list, or a dict by input name);
+    by default built from `model.inputs`.
+    """
+    if input_signature is None:
+        input_signature = _input_signature(model)
+    traced = tf.function(lambda inputs: model(inputs, training=False))
+    graph = traced.get_concrete_function(input_signature).graph
+    return _graph_flops(graph, (graph,))
+
+
+def training_flops_per_example(model, input_signature=None) -> int:
+    """FLOPs of one example's training step: 3 x `forward_flops` (the backward
+    pass costs about twice the forward)."""
+    return _TRAINING_PASSES * forward_flops(model, input_signature)
+
+
+def try_training_flops_per_example(model) -> Optional[int]:
+    """`training_flops_per_example`, or None (with one warning) if the model
+    cannot be traced or counted: a missing MFU must not end a training run."""
+    try:
+        return training_flops_per_example(model)
+    except Exception as error:  # noqa: BLE001 - whatever fails, the run goes on
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        logging.warning("Cannot count the FLOPs of model %r (%s: %s); MFU will not be "
+                        "reported.", getattr(model, "name", model), type(error).__name__,
+                        first_line)
+        return None
+
+
+def model_tflops(examples_per_sec: float, flops_per_example: int) -> float:
+    """Achieved model TFLOP/s at `examples_per_sec`."""
+    return examples_per_sec * flops_per_example / 1e12
+
+
+def mfu(examples_per_sec: float, flops_per_example: int, peak_tflops: float) -> float:
+    """Model FLOP/s utilisation: achieved model TFLOP/s over the peak (0..1)."""
+    if peak_tflops <= 0:
+        raise ValueError(f"peak_tflops must be positive, got {peak_tflops}")
+    return model_tflops(examples_per_sec, flops_per_example) / peak_tflops
+
+
+def _input_signature(model):
+    """Batch-1 `tf.TensorSpec`s in the structure the model was built with."""
+    inputs = getattr(model, "inputs", None)
+    if not inputs:
+        raise ValueError(f"model {getattr(model, 'name', model)!r} has no symbolic inputs "
+                         "(subclassed and never built?); pass input_signature")
+    try:
+        structure = model.input  # functional models keep their single/list/dict structure
+    except AttributeError:  # a Sequential model that was never called
+        structure = inputs[0] if len(inputs) == 1 else inputs
+    return tf.nest.map_structure(lambda t: tf.TensorSpec((1, *t.shape[1:]), t.dtype), structure)
+
+
+def _graph_flops(graph, scopes) -> int:
+    """FLOPs of every op in `graph` and in the functions its ops call.
+    `scopes`: `graph` and the graphs it is nested in, innermost last."""
+    total = 0
+    for op in graph.get_operations():
+        counter = _COUNTERS.get(op.type)
+        if counter is not None:
+            total += counter(op)
+        total += _called_flops(op, scopes)
+    return total
+
+
+def _called_flops(op, scopes) -> int:
+    """FLOPs of the functions `op` calls: the costlier branch of an If/Case
+    (one of them runs), one pass of a While's condition and body, all others."""
+    flops = [_function_flops(function, scopes)
+             for value in op.node_def.attr.values()
+             for function in ([value.func.name] if value.HasField("func")
+                              else [f.name for f in value.list.func])]
+    if op.type in ("If", "StatelessIf", "Case", "StatelessCase"):
+        return max(flops)
+    return sum(flops)
+
+
+def _function_flops(name, scopes) -> int:
+    for graph in reversed(scopes):
+        # `_get_function` is private, but it hands back the traced FuncGraph
+        # with its static shapes; rebuilding graphs from the FunctionDefs of
+        # `as_graph_def().library` would need private imports too.
+        function = graph._get_function(name)  # noqa: SLF001
+        if function is not None:
+            return _graph_flops(function.graph, (*scopes, function.graph))
+    raise ValueError(f"function {name} is not in the graph's function library")
+
+
+def _shape(tensor, op) -> list[int]:
+    shape = tensor.shape
+    if not shape.is_fully_defined():
+        raise ValueError(f"{op.type} op {op.name} has a non-static input shape {shape}")
+    return shape.as_list()
+
+
+def _matmul(op) -> int:
+    a, b = _shape(op.inputs[0], op), _shape(op.inputs[1], op)
+    m, k = (a[1], a[0]) if op.get_attr("transpose_a") else (a[0], a[1])
+    n = b[0] if op.get_attr("transpose_b") else b[1]
+    return 2 * m * n * k
+
+
+def _batch_matmul(op) -> int:
+    a, b = _shape(op.inputs[0], op), _shape(op.inputs[1], op)
+    m, k = (a[-1], a[-2]) if op.get_attr("adj_x") else (a[-2], a[-1])
+    n = b[-2] if op.get_attr("adj_y") else b[-1]
+    batch = math.prod(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
+    return 2 * batch * m * n * k
+
+
+def _einsum(op) -> int:
+    """2 x the product of every index's size: each output element sums over
+    the contracted indices with one multiply-add each. A one-operand einsum is
+    a transpose or a reduction, not a matmul: 0."""
+    if len(op.inputs) != 2:
+        return 0
+    terms = op.get_attr("equation").decode().split("->")[0].split(",")
+    sizes, ellipses = {}, []
+    for term, tensor in zip(terms, op.inputs):
+        shape = _shape(tensor, op)
+        head, dots, tail = term.partition("...")
+        ellipsis_end = len(shape) - len(tail)
+        ellipses.append(tuple(shape[len(head):ellipsis_end]) if dots else ())
+        for letter, size in zip(head + tail, shape[:len(head)] + shape[ellipsis_end:]):
+            sizes[letter] = max(sizes.get(letter, 1), size)
+    return 2 * math.prod(sizes.values()) * math.prod(np.broadcast_shapes(*ellipses))
+
+
+def _conv(op) -> int:
+    """Filter (..., in channels per group, out channels): each output element
+    takes kernel-volume x in-channels-per-group multiply-adds."""
+    out, kernel = _shape(op.outputs[0], op), _shape(op.inputs[1], op)
+    return 2 * math.prod(out) * math.prod(kernel[:-1])
+
+
+def _depthwise_conv(op) -> int:
+    """Filter (kh, kw, in channels, multiplier): one input channel per output."""
+    out, kernel = _shape(op.outputs[0], op), _shape(op.inputs[1], op)
+    return 2 * math.prod(out) * math.prod(kernel[:-2])
+
+
+def _conv_transpose(op) -> int:
+    """`Conv2DTranspose` lowers to the input gradient of a convolution, which
+    costs what that convolution costs: its output is this op's input 2."""
+    kernel, forward_out = _shape(op.inputs[1], op), _shape(op.inputs[2], op)
+    return 2 * math.prod(forward_out) * math.prod(kernel[:-1])
+
+
+_COUNTERS = {
+    "MatMul": _matmul,
+    "BatchMatMul": _batch_matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul,
+    "Einsum": _einsum,
+    "Conv2D": _conv,
+    "Conv3D": _conv,
+    "DepthwiseConv2dNative": _depthwise_conv,
+    "Conv2DBackpropInput": _conv_transpose,
+    "Conv3DBackpropInputV2": _conv_transpose,
+}

@@ -1,0 +1,46 @@
+"""Per-rank log lines: every line says which process wrote it.
+
+In a multi-worker job the logs of all processes end up interleaved (a
+terminal, `kubectl logs`, a Slurm output file), so each line carries
+`[worker i/n]` (`[rank i/n]` under Horovod), with the chief marked. Only the
+chief logs progress by default; `--log_all_ranks` lets every process speak.
+Warnings and errors show from every process either way.
+"""
+
+from __future__ import annotations
+
+import logging as std_logging
+
+from absl import logging
+
+
+class _Prefix(std_logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.prefix = ""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        if self.prefix and not getattr(record, "_tfdist_prefixed", False):
+            record.msg = f"{self.prefix} {record.msg}"
+            record._tfdist_prefixed = True
+        return True
+
+
+_FILTER = _Prefix()
+
+
+def label(strategy) -> str:
+    """e.g. '[worker 1/2]', '[worker 0/2 chief]', '[rank 0/4 chief]'."""
+    unit = getattr(strategy, "process_unit", "worker")
+    chief = " chief" if strategy.is_chief else ""
+    return f"[{unit} {strategy.worker_index}/{strategy.num_workers}{chief}]"
+
+
+def configure(strategy, *, log_all_ranks: bool) -> None:
+    """Prefix this process's log lines with its rank; quiet non-chief INFO."""
+    _FILTER.prefix = label(strategy)
+    for handler in (logging.get_absl_handler(), *std_logging.getLogger().handlers):
+        if _FILTER not in handler.filters:
+            handler.addFilter(_FILTER)
+    if not strategy.is_chief and not log_all_ranks:
+        logging.set_verbosity(logging.WARNING)
