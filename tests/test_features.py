@@ -1,9 +1,15 @@
 """Trainer features under the in-process strategies: accumulation, compression."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from tfdist import models
+from tfdist import models, strategies
+from tfdist.data.function_inputs import FunctionInputs
+from tfdist.training import optimizers
+from tfdist.training.trainer import Trainer
 
 import tfdist
 from common import (IMAGE_SPEC, TOKEN_SPEC, assert_weights_close, image_dataset_fn, run_config,
@@ -66,11 +72,6 @@ def test_compressed_gradients_stay_close_and_halve_the_bytes(strategy, dtype):
 def test_one_cross_replica_reduction_per_update_with_accumulation(strategy):
     """Trace one replica step with 4 micro-batches: the adapter's reduce hook
     runs once per replica, not once per micro-batch."""
-    import tensorflow as tf
-    from tfdist import strategies
-    from tfdist.data.function_inputs import FunctionInputs
-    from tfdist.training import optimizers
-    from tfdist.training.trainer import Trainer
 
     config = run_config(strategy, batch=64, accum_steps=4)
     adapter = strategies.create(config.strategy)
@@ -91,6 +92,39 @@ def test_one_cross_replica_reduction_per_update_with_accumulation(strategy):
     before = adapter.reductions_traced
     one_step.get_concrete_function()
     assert adapter.reductions_traced - before == adapter.num_replicas
+
+
+def test_bucketed_reductions_match_one_reduction():
+    """--reduce_bucket_mb: each bucket is its own reduction (a sum of the same
+    two values whichever way the tensors are grouped, so weights match to
+    rounding), and the counters still arrive with the last bucket."""
+    config = run_config("mirrored", batch=64, depth=2, optimizer="adam", learning_rate=1e-3)
+    initial = models.build(config.model, IMAGE_SPEC).get_weights()
+    one = train_from(config, initial)
+    # 8x8x3 -> 16 -> 16 -> 5: kernels of 12 kB, 1 kB, 320 B; 1 kB buckets.
+    bucketed = train_from(bucketed_config(config), initial)
+    assert_weights_close(bucketed.model.get_weights(), one.model.get_weights())
+    assert bucketed.summary["loss"] == pytest.approx(one.summary["loss"], rel=1e-6)
+
+    adapter = strategies.create(config.strategy)
+    adapter.setup()
+    with adapter.scope():
+        model = models.build(config.model, IMAGE_SPEC)
+        optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
+        optimizer.build(model.trainable_variables)
+    trainer = Trainer(config=bucketed_config(config), strategy=adapter, model=model,
+                      optimizer=optimizer, inputs=FunctionInputs(image_dataset_fn, IMAGE_SPEC),
+                      total_steps=5)
+    batch = (tf.zeros((32, 8, 8, 3)), tf.zeros((32,), tf.int32))
+    before = adapter.reductions_traced
+    tf.function(lambda: adapter.run(trainer._replica_train_step, batch)).get_concrete_function()
+    # Buckets from the last variable back: [logits b, logits k, hidden_1 b,
+    # hidden_1 k (1 kB reached)], [hidden_0 b, hidden_0 k, counters].
+    assert adapter.reductions_traced - before == 2 * adapter.num_replicas
+
+
+def bucketed_config(config):
+    return config.replace(train=dataclasses.replace(config.train, reduce_bucket_mb=0.001))
 
 
 def test_linear_and_sqrt_lr_scaling_rules():

@@ -36,6 +36,12 @@ def test_two_ranks_match_single_process(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_two_ranks_with_bucketed_reductions_match_single_process(tmp_path):
+    workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod", reduce_bucket_mb=0.001)
+    assert_match_single_device(workers, initial)
+
+
+@pytest.mark.timeout(240)
 def test_two_ranks_accumulating_match_one_big_batch(tmp_path):
     workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod", accum_steps=4)
     assert_match_single_device(workers, initial)

@@ -69,6 +69,15 @@ def test_two_workers_accumulating_match_one_big_batch(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_two_workers_with_bucketed_reductions_match_single_process(tmp_path):
+    """--reduce_bucket_mb: one collective per ~1 kB bucket, issued as the
+    backward pass produces it; the sums are the same."""
+    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker",
+                                   reduce_bucket_mb=0.001)
+    assert_match_single_device(workers, initial)
+
+
+@pytest.mark.timeout(240)
 def test_every_feature_at_once_keeps_workers_identical(tmp_path):
     """The feature matrix's multi-process corner: mixed precision with loss
     scaling, accumulation, compression together; the workers must agree."""

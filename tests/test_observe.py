@@ -147,8 +147,10 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AMX")
     assert xla.auto_level("mixed_bfloat16") == xla.OPTIMIZER
     assert xla.auto_level("float32") == xla.STEP
+    assert xla.auto_level("float32", whole_step=False) == xla.OPTIMIZER
     monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")
     assert xla.auto_level("mixed_bfloat16") == xla.STEP
+    assert xla.auto_level("mixed_bfloat16", whole_step=False) == xla.STEP
 
 
 def test_slow_choices_are_named(monkeypatch):

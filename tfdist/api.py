@@ -75,8 +75,7 @@ def write_summary(model_dir: str, summary: dict) -> None:
     os.replace(tmp, path)
 
 
-def slow_choice_warnings(config: RunConfig, jit_level: str,
-                         strategy_supports_xla: bool = True) -> list[str]:
+def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None) -> list[str]:
     """One line for each setting known to be slow on this CPU, with what is faster."""
     tc, lines = config.train, []
     bf16 = hardware.bf16_support()
@@ -88,8 +87,9 @@ def slow_choice_warnings(config: RunConfig, jit_level: str,
         lines.append("--precision=mixed_float16 runs emulated float16 kernels on CPUs "
                      "(0.5x float32 for the mlp, ~15x slower for convolutions, measured by "
                      "bench/features.py): use float32, or mixed_bfloat16 on AMX CPUs")
-    auto = xla.auto_level(tc.precision)
-    if tc.jit_compile != "auto" and jit_level != auto and strategy_supports_xla:
+    supports = strategy is None or strategy.supports_xla
+    auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step)
+    if tc.jit_compile != "auto" and jit_level != auto and supports:
         lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
                      f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "
                      "(bench/vs_fit.py); --jit_compile=auto picks it")
@@ -226,7 +226,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
     peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
     for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
         logging.info(line)
-    for line in slow_choice_warnings(config, jit_level, strategy.supports_xla):
+    for line in slow_choice_warnings(config, jit_level, strategy):
         logging.warning(line)
     try:
         metrics = trainer.fit()

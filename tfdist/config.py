@@ -173,6 +173,9 @@ class TrainConfig:
     # Every N steps, the cosine similarity of each replica's gradient with the
     # cross-replica mean (data-parallel engines); 0: never.
     grad_agreement_every: int = 0
+    # Reduce gradients in buckets of about this many MB, each issued as soon
+    # as its gradients exist (overlapping the backward pass); 0: one reduction.
+    reduce_bucket_mb: float = 0.0
 
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)
@@ -200,6 +203,9 @@ class TrainConfig:
                 raise ConfigError(f"profile_steps={self.profile_steps!r} must be two steps "
                                   "A,B with 1 <= A <= B, e.g. 20,25")
         _non_negative("grad_agreement_every", self.grad_agreement_every)
+        if isinstance(self.reduce_bucket_mb, bool) or not (
+                isinstance(self.reduce_bucket_mb, (int, float)) and self.reduce_bucket_mb >= 0):
+            raise ConfigError(f"reduce_bucket_mb={self.reduce_bucket_mb!r} must be a number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,6 +93,12 @@ _GRAD_COMPRESSION = flags.DEFINE_enum(
     "back to the variables' dtype after; every strategy.")
 _EVAL_EVERY = flags.DEFINE_integer(
     "eval_every", 0, "Evaluate on the test split every N steps (0: only at the end).", lower_bound=0)
+_REDUCE_BUCKET_MB = flags.DEFINE_float(
+    "reduce_bucket_mb", 0.0, "Reduce gradients across replicas in buckets of about this many "
+    "MB, each issued as soon as the backward pass has produced it, so communication overlaps "
+    "computation (DDP's buckets, Horovod's tensor fusion); 0: one reduction after the whole "
+    "backward pass. Not with --accum_steps > 1 (its one reduction follows the last "
+    "micro-batch anyway).", lower_bound=0.0)
 _LOG_EVERY = flags.DEFINE_integer(
     "log_every", 0, "Log a progress line every N steps (0: after every loop).", lower_bound=0)
 
@@ -209,7 +215,8 @@ def run_config() -> config_lib.RunConfig:
                 seed=_SEED.value, jit_compile=_JIT_COMPILE.value,
                 profile_steps=_profile_steps(), profile_all_ranks=_PROFILE_ALL_RANKS.value,
                 log_all_ranks=_LOG_ALL_RANKS.value,
-                grad_agreement_every=_GRAD_AGREEMENT_EVERY.value),
+                grad_agreement_every=_GRAD_AGREEMENT_EVERY.value,
+                reduce_bucket_mb=_REDUCE_BUCKET_MB.value),
         )
     except config_lib.ConfigError as error:  # a rule flags alone cannot express
         raise UsageError(str(error)) from None

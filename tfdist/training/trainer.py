@@ -155,11 +155,37 @@ class Trainer:
                 counters += more_counters
         return grads, counters
 
+    def _reduce(self, tensors):
+        """Sum `tensors` (gradients in variable order, then the counters) over
+        replicas: one reduction, or buckets of ~`reduce_bucket_mb` from the last
+        variable backwards, each an independent collective that can start as
+        soon as the backward pass has produced its gradients."""
+        limit = self.train_config.reduce_bucket_mb * 1e6
+        if not limit or self.train_config.accum_steps > 1:
+            return self.strategy.all_reduce_sum(tensors)
+        buckets, bucket, size = [], [], 0
+        *grads, counters = range(len(tensors))
+        for index in reversed(grads):
+            bucket.append(index)
+            size += tensors[index].shape.num_elements() * tensors[index].dtype.size
+            if size >= limit:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket or not buckets:
+            buckets.append(bucket)
+        buckets[-1].append(counters)   # with the first layers' gradients, which come last
+        reduced = [None] * len(tensors)
+        for bucket in buckets:
+            for index, value in zip(bucket, self.strategy.all_reduce_sum(
+                    [tensors[i] for i in bucket])):
+                reduced[index] = value
+        return reduced
+
     def _replica_train_step(self, batch, measure_agreement: bool = False):
         x, y = batch
         local, counters = self._gradients_fn(x, y)
         variables = self.model.trainable_variables
-        reduced = self.strategy.all_reduce_sum(self.compression.compress(local) + [counters])
+        reduced = self._reduce(self.compression.compress(local) + [counters])
         grads, counters = self.compression.decompress(reduced[:-1], variables), reduced[-1]
         # The global gradient's norm, before clipping and without loss scaling.
         norm = tf.linalg.global_norm(grads)

@@ -12,9 +12,17 @@ runs on:
                element-wise passes over every weight become one)
     off        plain TensorFlow graphs (oneDNN kernels throughout)
 
-`auto` picks `step`, except bfloat16 on AMX CPUs, where XLA's own dot
-kernels bypass oneDNN's AMX path (Keras fit measured 1868 vs 2877 examples/s
-with XLA on vs off there), so only the update is fused.
+`auto` picks, from those measurements:
+  - `step` where the whole replica step fits in one XLA cluster (the default
+    strategy): XLA fuses everything, and XLA's float32 dots match oneDNN's;
+  - `step` for bfloat16 without AMX: XLA computes bf16 dots in float32,
+    faster than oneDNN's bf16 kernels there (AVX512-BF16: half its float32
+    rate; AVX2: emulated);
+  - `optimizer` otherwise: float32 under replicated engines (under mirrored,
+    XLA clusters of two replicas on shared cores ran at half the speed of
+    oneDNN's kernels), and bfloat16 on AMX CPUs, where XLA's dots bypass
+    oneDNN's AMX path (Keras fit measured 1868 vs 2877 examples/s with XLA
+    on vs off there).
 """
 
 from __future__ import annotations
@@ -27,11 +35,15 @@ from tfdist.observe import hardware
 STEP, OPTIMIZER, OFF = "step", "optimizer", "off"
 
 
-def auto_level(precision: str) -> str:
-    """What `--jit_compile=auto` picks on this CPU for `precision`."""
-    if precision == "mixed_bfloat16" and hardware.bf16_support() == "AMX":
+def auto_level(precision: str, whole_step: bool = True) -> str:
+    """What `--jit_compile=auto` picks on this CPU for `precision`, under an
+    engine whose replica step fits in one XLA cluster (`whole_step`) or not."""
+    amx = hardware.bf16_support() == "AMX"
+    if precision == "mixed_bfloat16" and amx:
         return OPTIMIZER
-    return STEP
+    if whole_step or precision != "float32":
+        return STEP
+    return OPTIMIZER
 
 
 def resolve(setting: str, precision: str, strategy) -> str:
@@ -45,7 +57,7 @@ def resolve(setting: str, precision: str, strategy) -> str:
         return STEP
     if setting == "off":
         return OFF
-    return auto_level(precision)
+    return auto_level(precision, strategy.xla_whole_step)
 
 
 def describe(setting: str, level: str) -> str:
