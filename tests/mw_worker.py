@@ -3,8 +3,9 @@
 Run by tests under tfdist-launch (TF_CONFIG set per worker):
     python tests/mw_worker.py OUT_DIR STRATEGY STEPS [TRAIN_OVERRIDES_JSON]
 Loads OUT_DIR/initial.npz, trains (TrainConfig fields overridden by the JSON,
-e.g. {"accum_steps": 4}; its "strategy" entry overrides StrategyConfig fields,
-e.g. {"strategy": {"mesh": "batch:2,model:2"}}), writes OUT_DIR/weights-<worker>.npz.
+e.g. {"accum_steps": 4}; its "strategy" and "model" entries override StrategyConfig
+and ModelConfig fields, e.g. {"strategy": {"mesh": "batch:2,model:2"}}), writes
+OUT_DIR/weights-<worker>.npz.
 """
 
 import dataclasses
@@ -22,8 +23,10 @@ def main(out_dir, strategy, steps, overrides="{}"):
     initial = list(np.load(os.path.join(out_dir, "initial.npz")).values())
     overrides = json.loads(overrides)
     strategy_fields = overrides.pop("strategy", {})   # StrategyConfig fields, e.g. mesh
+    model_fields = overrides.pop("model", {})
     config = mw_config(strategy, int(steps), **overrides)
-    config = config.replace(strategy=dataclasses.replace(config.strategy, **strategy_fields))
+    config = config.replace(strategy=dataclasses.replace(config.strategy, **strategy_fields),
+                            model=dataclasses.replace(config.model, **model_fields))
     result = train_from(config, initial)
     index = os.environ.get("HOROVOD_RANK") or str(
         json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"])

@@ -206,22 +206,22 @@ class Trainer:
         mine = tf.one_hot(self.strategy.replica_id(), self.strategy.num_replicas) * cosine
         return self.strategy.all_reduce_sum([mine])[0]
 
-    def _replica_sync_state(self):
-        """Average non-trainable float state (BatchNorm moving statistics).
+    def _synced_state(self):
+        return [v for v in self.model.non_trainable_variables if "float" in v.dtype]
+
+    def _replica_sum_state(self):
+        """Sum non-trainable float state (BatchNorm moving statistics) over replicas.
 
         Keras 3 creates these with aggregation "none", so under tf.distribute
         each replica keeps its own moving averages of its own batches. They
         are averaged once per loop, before anything reads them (evaluation,
         checkpoints); as they are exponential moving averages, which are
-        linear, this equals averaging every update.
+        linear, this equals averaging every update. The variables are read
+        into tensors first: MultiWorkerMirroredStrategy cannot all-reduce a
+        variable itself ("destinations can not be empty"); the average is
+        assigned outside replica context (`_train_loop_fn`), once for every copy.
         """
-        state = [v for v in self.model.non_trainable_variables if "float" in v.dtype]
-        if not state:
-            return tf.constant(0.0)
-        summed = self.strategy.all_reduce_sum([v.value for v in state])
-        for variable, total in zip(state, summed):
-            variable.assign(total / self.strategy.replica_copies)
-        return tf.constant(0.0)
+        return self.strategy.all_reduce_sum([tf.identity(v.value) for v in self._synced_state()])
 
     def _replica_eval_step(self, batch):
         x, y, weights = batch
@@ -246,8 +246,10 @@ class Trainer:
         if measure_agreement:
             step_totals, agreement = self.strategy.run(self._step_fn, next(iterator), True)
             totals += step_totals
-        if self.strategy.replica_copies > 1:
-            self.strategy.run(self._replica_sync_state)
+        if self.strategy.replica_copies > 1 and self._synced_state():
+            summed = self.strategy.run(self._replica_sum_state)
+            for variable, total in zip(self._synced_state(), summed):
+                variable.assign(total / self.strategy.replica_copies)
         self.step.assign_add(tf.cast(num_steps, tf.int64))
         return totals, agreement
 
@@ -366,8 +368,9 @@ class Trainer:
                 if self.checkpointer and ((tc.checkpoint_every and step % tc.checkpoint_every == 0)
                                           or step == self.total_steps):
                     self.checkpointer.save(step)
-                self.tensorboard.write(step, {
-                    **logged, "bytes_reduced_per_update": self.bytes_per_update})
+                if self.strategy.replica_copies > 1:   # an explicit all-reduce
+                    logged["bytes_reduced_per_update"] = self.bytes_per_update
+                self.tensorboard.write(step, logged)
                 progress.update(step, {**train_metrics, **eval_metrics},
                                 log=not tc.log_every or step % tc.log_every == 0
                                 or step == self.total_steps)
