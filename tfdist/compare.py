@@ -1,0 +1,590 @@
+"""`tfdist-compare`: does a distributed run converge like one device?
+
+    tfdist-compare --strategy=mirrored|multi_worker|horovod [--workers=N]
+        [--tolerance=T] [--window=W] [--grad_agreement_every=N] [--output_dir=DIR]
+        [--distributed_flags="--flag=v ..."] [--timeout_s=S] -- <shared tfdist-train flags>
+
+Trains the same configuration twice, as real processes, one after the other:
+`tfdist-train --strategy=default` and the distributed run (`tfdist-train
+--strategy=mirrored`, `tfdist-launch --workers=N -- tfdist-train
+--strategy=multi_worker`, or `horovodrun -np N -H localhost:N --gloo
+tfdist-train --strategy=horovod`), each logging its loss at every step to
+TensorBoard (`--log_every=1`). It then aligns the two loss curves by step,
+smooths each with a trailing moving average over `--window` steps and takes
+the relative gap |distributed - default| / max(|default|, floor) of the
+smoothed curves, where the floor is a quarter of the default run's first
+smoothed loss: a gap relative to the loss, but not blown up as the loss
+nears zero (batch-order noise stays roughly constant in absolute terms while
+the loss falls). The run diverges when the largest smoothed relative gap
+exceeds `--tolerance` (a non-finite loss on either side always diverges).
+
+Why smooth: replicas that read different examples (multi_worker, horovod)
+see different batches at each step, so their per-step losses differ by
+batch noise even when training is sound; a moving average keeps the trend.
+
+Why 0.1 (10 %) as the default tolerance, with figures measured on a 2-core
+Xeon (AVX-512), global batch 64-128, 15-100 steps:
+- `mirrored` splits the same global batch over its devices and sums the
+  gradients: the default run's update up to float32 rounding. The mlp's
+  curves agree to 6e-8 to 2.3e-7 over 30 steps (the summation order varies
+  from run to run), far inside 0.1. A model with BatchNorm normalises by each
+  replica's half batch, so the cnn (demo.cfg) differs for real: 0.064 over
+  60 steps, still inside.
+- `multi_worker` and `horovod` shard the input by worker, so every step sees
+  other examples than the default run: the curves match only in trend. On
+  demo.cfg (horovod, 2 ranks) the largest smoothed gap is 0.057 over 30 steps
+  and 0.084 over 40, while the loss is above 0.7; it grows as the loss nears
+  zero (0.13 over 50 steps, 0.25 over 100, at a loss of 0.14) when divided
+  by the loss itself; the floor (a quarter of the first loss, ~0.5 there)
+  keeps that near 0.07.
+  A configuration whose loss spikes early (mlp, Adam 3e-3) amplifies the
+  different batches too: 0.086, 0.106, 0.34 for seeds 42, 1, 2.
+- Broken distributed sides measured: learning rate x10 7.6 (mlp, 15 steps),
+  x0.1 0.18 (mlp, 30 steps) and 4.4 (demo.cfg, 60 steps), x4 by a wrong
+  `--lr_scaling` 0.64 (demo.cfg, 60 steps).
+So 0.1 catches every break above and passes every sound `mirrored` run; for
+`multi_worker`/`horovod` compare while the loss is still well above zero and
+falling steadily (e.g. demo.cfg with --train_steps=30), or raise
+--tolerance for longer runs. Note that Adam is invariant to a constant
+gradient scale, so a sum-instead-of-mean bug shows only under SGD.
+
+Writes into `--output_dir` (default `tfdist-compare-<strategy>`):
+`default/` and `<strategy>/` (the runs' model dirs), `<run>.stdout.log` and
+`<run>.stderr.log`, `loss_curves.png` and `report.md`; prints the report.
+Exit status 0 within tolerance, 1 diverged, 2 bad input or a failed run
+(one line on stderr naming the input or the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import json
+import logging as std_logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROG = "tfdist-compare"
+STRATEGIES = ("mirrored", "multi_worker", "horovod")
+DEFAULT_TOLERANCE = 0.1
+DEFAULT_WINDOW = 5
+DEFAULT_TIMEOUT_S = 900.0
+# Flags tfdist-compare sets on each run itself; they come after the shared
+# flags (a --flagfile such as configs/demo.cfg sets --strategy) so they win.
+OWNED_FLAGS = ("strategy", "model_dir", "log_every", "grad_agreement_every")
+REPORT, PLOT = "report.md", "loss_curves.png"
+_MARKER = ".tfdist-compare"   # marks an output dir this tool may clean
+_REPLICA_TAG = re.compile(r"grad_agreement_replica_(\d+)$")
+_STOP_GRACE_S = 10.0  # above tfdist-launch's own 5 s stop grace: it stops its workers first
+
+
+class UsageError(Exception):
+    """Bad input or a failed run: one line on stderr, exit status 2."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM/SIGHUP: the running training is stopped, then we exit."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, _frame):
+    raise Interrupted(signum)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+# -- the divergence measure (pure numpy) ------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    steps: np.ndarray            # aligned steps
+    default: np.ndarray          # default run's loss at `steps`
+    distributed: np.ndarray      # distributed run's loss at `steps`
+    window: int                  # the moving-average window actually used
+    smooth_steps: np.ndarray     # last step of each full window
+    smooth_default: np.ndarray
+    smooth_distributed: np.ndarray
+    relative_gap: np.ndarray     # at `smooth_steps`; inf where a loss is not finite
+    tolerance: float
+
+    @property
+    def gap(self) -> np.ndarray:
+        """Per-step (unsmoothed) gap, distributed - default."""
+        return self.distributed - self.default
+
+    @property
+    def worst(self) -> int:
+        """Index into the smoothed arrays of the largest relative gap."""
+        return int(np.argmax(self.relative_gap))
+
+    @property
+    def max_relative_gap(self) -> float:
+        return float(self.relative_gap[self.worst])
+
+    @property
+    def diverged(self) -> bool:
+        return self.max_relative_gap > self.tolerance
+
+
+# The relative gap's denominator never falls below this fraction of the
+# default run's first smoothed loss (see the module docstring).
+LOSS_FLOOR = 0.25
+
+
+def align(a: dict, b: dict) -> tuple:
+    """Put two {step: value} curves on one grid: the steps of the sparser one
+    inside the range both cover; the other is read there by linear
+    interpolation (exact where it has that step). Returns (steps, a, b)."""
+    if not a or not b:
+        raise ValueError("a curve has no points")
+    sa, sb = np.array(sorted(a), dtype=np.int64), np.array(sorted(b), dtype=np.int64)
+    grid = sa if len(sa) <= len(sb) else sb
+    low, high = max(sa[0], sb[0]), min(sa[-1], sb[-1])
+    steps = grid[(grid >= low) & (grid <= high)]
+    if not len(steps):
+        raise ValueError(f"the curves do not overlap (steps {sa[0]}-{sa[-1]} and "
+                         f"{sb[0]}-{sb[-1]})")
+    va = np.interp(steps, sa, [a[s] for s in sa])
+    vb = np.interp(steps, sb, [b[s] for s in sb])
+    return steps, va, vb
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over full windows: element i is the mean of values[i:i+window]."""
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def divergence(default: dict, distributed: dict, *, window: int = DEFAULT_WINDOW,
+               tolerance: float = DEFAULT_TOLERANCE) -> Divergence:
+    """Compare two {step: loss} curves (see the module docstring)."""
+    steps, a, b = align(default, distributed)
+    window = max(1, min(window, len(steps)))
+    smooth_a, smooth_b = moving_average(a, window), moving_average(b, window)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        floor = max(LOSS_FLOOR * abs(smooth_a[0]), 1e-8) if np.isfinite(smooth_a[0]) else 1e-8
+        relative = np.abs(smooth_b - smooth_a) / np.maximum(np.abs(smooth_a), floor)
+    relative = np.where(np.isfinite(relative), relative, np.inf)  # NaN never passes
+    return Divergence(steps=steps, default=a, distributed=b, window=window,
+                      smooth_steps=steps[window - 1:], smooth_default=smooth_a,
+                      smooth_distributed=smooth_b, relative_gap=relative,
+                      tolerance=tolerance)
+
+
+def agreement_table(scalars: dict) -> dict:
+    """{replica: (min, mean, samples)} of the logged per-replica gradient cosines."""
+    table = {}
+    for tag, curve in scalars.items():
+        match = _REPLICA_TAG.match(tag)
+        if match and curve:
+            values = np.array(list(curve.values()))
+            table[int(match.group(1))] = (float(values.min()), float(values.mean()), len(values))
+    return dict(sorted(table.items()))
+
+
+# -- command line -------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, allow_abbrev=False,
+                usage=f"{PROG} --strategy=S [options] -- <tfdist-train flags of both runs>",
+                description="Train one configuration under --strategy=default and under a "
+                            "distributed strategy; compare the loss curves.",
+                epilog="Exit status: 0 within tolerance, 1 diverged, 2 bad input or a "
+                       "failed run. Writes loss_curves.png and report.md into --output_dir.")
+    p.add_argument("--strategy", required=True, help=f"one of {', '.join(STRATEGIES)}")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="multi_worker / horovod: processes (default 2)")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="T",
+                   help=f"largest smoothed relative loss gap that passes (default "
+                        f"{DEFAULT_TOLERANCE:g}); a relative gap grows as the loss nears "
+                        "zero, so compare multi_worker/horovod while it is well above")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
+                   help=f"moving-average window in steps (default {DEFAULT_WINDOW})")
+    p.add_argument("--grad_agreement_every", type=int, default=1, metavar="N",
+                   help="distributed run: measure per-replica gradient agreement every N "
+                        "steps (default 1; 0: never)")
+    p.add_argument("--output_dir", default=None, metavar="DIR",
+                   help="where runs, plot and report go (default tfdist-compare-<strategy>)")
+    p.add_argument("--distributed_flags", default="", metavar="FLAGS",
+                   help='extra tfdist-train flags for the distributed run only, e.g. '
+                        '--distributed_flags="--lr_scaling=linear"')
+    p.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"each run is stopped and fails after S seconds (default "
+                        f"{DEFAULT_TIMEOUT_S:g})")
+    return p
+
+
+def _check_train_flags(args: list, where: str) -> None:
+    for arg in args:
+        if not arg.startswith("-"):
+            raise UsageError(f"{where}: {arg!r} is not a flag; tfdist-train flags start with --")
+        name = arg.lstrip("-").split("=", 1)[0]
+        if name in OWNED_FLAGS:
+            raise UsageError(f"{where}: {arg} is set by {PROG} itself (it sets "
+                             f"{', '.join('--' + f for f in OWNED_FLAGS)} on each run; use "
+                             f"{PROG}'s --strategy, --output_dir, --grad_agreement_every)")
+
+
+def parse_args(argv: list) -> tuple:
+    """(options, shared tfdist-train flags); raises UsageError before any run."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    opts, stray = _parser().parse_known_args(argv[:cut])  # --help exits here
+    if cut == len(argv):
+        raise UsageError("missing '--' before the tfdist-train flags of both runs, e.g. "
+                         f"{PROG} --strategy=mirrored -- --model=mlp --train_steps=40")
+    if stray:
+        raise UsageError(f"unrecognized arguments: {' '.join(stray)} (tfdist-train flags go "
+                         "after --)")
+    shared = argv[cut + 1:]
+    if opts.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy={opts.strategy!r} cannot be compared; valid: "
+                         f"{', '.join(STRATEGIES)}")
+    if opts.workers is not None and opts.strategy == "mirrored":
+        raise UsageError(f"--workers={opts.workers} applies to multi_worker and horovod; "
+                         "mirrored uses the local devices (--virtual_devices after --)")
+    opts.workers = 2 if opts.workers is None else opts.workers
+    if opts.workers < 1:
+        raise UsageError(f"--workers={opts.workers} must be at least 1")
+    if not opts.tolerance > 0 or not np.isfinite(opts.tolerance):
+        raise UsageError(f"--tolerance={opts.tolerance:g} must be a number above 0, e.g. "
+                         f"{DEFAULT_TOLERANCE:g}")
+    if opts.window < 1:
+        raise UsageError(f"--window={opts.window} must be at least 1 step")
+    if opts.grad_agreement_every < 0:
+        raise UsageError(f"--grad_agreement_every={opts.grad_agreement_every} must be 0 "
+                         "(never) or more")
+    if not opts.timeout_s > 0:
+        raise UsageError(f"--timeout_s={opts.timeout_s:g} must be above 0")
+    try:
+        opts.distributed_flags = shlex.split(opts.distributed_flags)
+    except ValueError as error:
+        raise UsageError(f"--distributed_flags: {error}") from None
+    _check_train_flags(shared, "the tfdist-train flags after --")
+    _check_train_flags(opts.distributed_flags, "--distributed_flags")
+    opts.output_dir = os.path.abspath(opts.output_dir or f"{PROG}-{opts.strategy}")
+    return opts, shared
+
+
+def _tool(name: str) -> str:
+    """A console script of this environment (next to its Python), else from PATH."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    found = path if os.access(path, os.X_OK) else shutil.which(name)
+    if not found:
+        raise UsageError(f"cannot find {name} next to {sys.executable} or on PATH")
+    return found
+
+
+def commands(opts, shared: list) -> dict:
+    """{run name: argv} of the two runs, in the order they run."""
+    train = _tool("tfdist-train")
+
+    def flags(strategy, every):
+        return [*shared, f"--strategy={strategy}",
+                f"--model_dir={os.path.join(opts.output_dir, strategy)}", "--log_every=1",
+                f"--grad_agreement_every={every}"]
+
+    distributed = [train, *flags(opts.strategy, opts.grad_agreement_every),
+                   *opts.distributed_flags]
+    if opts.strategy == "multi_worker":
+        distributed = [_tool("tfdist-launch"), f"--workers={opts.workers}", "--", *distributed]
+    elif opts.strategy == "horovod":
+        if importlib.util.find_spec("horovod") is None:
+            raise UsageError("--strategy=horovod: Horovod is not installed in this "
+                             "environment; build it with `make horovod`")
+        distributed = [_tool("horovodrun"), "-np", str(opts.workers), "-H",
+                       f"localhost:{opts.workers}", "--gloo", *distributed]
+    return {"default": [train, *flags("default", 0)], opts.strategy: distributed}
+
+
+def prepare_output(output_dir: str, runs) -> None:
+    """Create `output_dir`; clear the run dirs of an earlier comparison (a run
+    resumes from checkpoints in its model dir), but never a dir we did not make."""
+    marker = os.path.join(output_dir, _MARKER)
+    for run in runs:
+        path = os.path.join(output_dir, run)
+        used = os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path))
+        if used and not os.path.exists(marker):
+            raise UsageError(f"--output_dir={output_dir}: {path} exists and was not written "
+                             f"by {PROG}; pick another --output_dir")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write("written by tfdist-compare; its run dirs are replaced on each comparison\n")
+        for run in runs:
+            shutil.rmtree(os.path.join(output_dir, run), ignore_errors=True)
+        for stale in (REPORT, PLOT):  # a failed comparison must not leave the last one's
+            if os.path.exists(os.path.join(output_dir, stale)):
+                os.remove(os.path.join(output_dir, stale))
+    except OSError as error:
+        raise UsageError(f"--output_dir={output_dir} is not a writable directory "
+                         f"({error.strerror})") from None
+
+
+# -- running ------------------------------------------------------------------
+def progress(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the run's process group (launchers have children), then SIGKILL."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=_STOP_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+_CAUSE = re.compile(r"(error|fault): |\b\w*(Error|Exception): ")
+
+
+def _tail(path: str, lines: int = 3) -> str:
+    """The last lines of a log, after the last error line above them (a
+    launcher's own closing lines would otherwise hide the workers' error)."""
+    with open(path, errors="replace") as f:
+        text = [" ".join(line.split()) for line in f if line.strip()]
+    tail = text[-lines:]
+    causes = [line for line in text[:-lines] if _CAUSE.search(line)]
+    return " | ".join(causes[-1:] + tail) or "(nothing on stderr)"
+
+
+def run(name: str, argv: list, output_dir: str, timeout_s: float) -> float:
+    """Run one training to completion within `timeout_s`; return its seconds."""
+    out_log = os.path.join(output_dir, f"{name}.stdout.log")
+    err_log = os.path.join(output_dir, f"{name}.stderr.log")
+    env = {**os.environ}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    progress(f"run {name}: started: {shlex.join(argv)}")
+    started = time.monotonic()
+    with open(out_log, "w") as out, open(err_log, "w") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                start_new_session=True)
+        try:
+            status = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise UsageError(f"run {name} did not finish within --timeout_s={timeout_s:g}; "
+                             f"stopped; stderr: {_tail(err_log)}") from None
+        except Interrupted:
+            # The run is in its own session (so a launcher's workers can be
+            # stopped as a group): a signal to us must be passed on.
+            _stop(proc)
+            raise
+    seconds = time.monotonic() - started
+    if status != 0:
+        how = (f"exit status {status}" if status > 0
+               else f"signal {signal.Signals(-status).name}")
+        raise UsageError(f"run {name} failed with {how}: {_tail(err_log)} "
+                         f"(full log: {err_log})")
+    progress(f"run {name}: finished in {seconds:.1f}s")
+    return seconds
+
+
+# -- reading the runs -----------------------------------------------------------
+def read_scalars(log_dir: str) -> dict:
+    """{tag: {step: value}} of every scalar in the event files of `log_dir`."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf  # only once both runs are done: bad input stays instant
+
+    # summary_iterator logs a deprecation notice (it still works in TF 2.21).
+    std_logging.getLogger("tensorflow").setLevel(std_logging.ERROR)
+    scalars: dict = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.HasField("tensor"):
+                    number = float(tf.make_ndarray(value.tensor).reshape(-1)[0])
+                else:
+                    number = float(value.simple_value)
+                scalars.setdefault(value.tag, {})[int(event.step)] = number
+    return scalars
+
+
+def read_run(name: str, model_dir: str) -> dict:
+    """The run's summary.json and its train scalars; a missing loss curve is an error."""
+    try:
+        with open(os.path.join(model_dir, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"run {name} left no readable {model_dir}/summary.json ({error})") \
+            from None
+    train_dir = os.path.join(model_dir, "tensorboard", "train")
+    scalars = read_scalars(train_dir)
+    if not scalars.get("loss"):
+        raise UsageError(f"run {name} wrote no 'loss' scalars to {train_dir}")
+    return {"summary": summary, "scalars": scalars}
+
+
+# -- outputs ------------------------------------------------------------------
+def plot(result: Divergence, names: tuple, path: str) -> None:
+    """Loss curves overlaid (top); per-step gap and smoothed relative gap (bottom)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for values, smooth, name, color in ((result.default, result.smooth_default, names[0], "C0"),
+                                        (result.distributed, result.smooth_distributed,
+                                         names[1], "C1")):
+        top.plot(result.steps, values, color=color, alpha=0.35, linewidth=1)
+        top.plot(result.smooth_steps, smooth, color=color, linewidth=2,
+                 label=f"{name} (mean of {result.window} steps)")
+    top.set_ylabel("training loss")
+    top.set_title(f"{names[0]} vs {names[1]}: training loss")
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.plot(result.steps, result.gap, color="C2", linewidth=1,
+                label=f"per-step gap ({names[1]} - {names[0]})")
+    bottom.axhline(0.0, color="grey", linewidth=0.5)
+    bottom.set_ylabel("loss gap")
+    bottom.set_xlabel("global step")
+    right = bottom.twinx()
+    finite = np.where(np.isfinite(result.relative_gap), result.relative_gap, np.nan)
+    right.plot(result.smooth_steps, finite, color="C3", linewidth=2,
+               label="smoothed relative gap")
+    right.axhline(result.tolerance, color="C3", linestyle="--", linewidth=1,
+                  label=f"tolerance {result.tolerance:g}")
+    worst = result.worst
+    if np.isfinite(result.relative_gap[worst]):
+        right.plot([result.smooth_steps[worst]], [result.relative_gap[worst]], "o", color="C3")
+    right.set_ylabel("relative gap")
+    # Both axes symmetric about 0, so their zeros (and the tolerance line) read true.
+    left_span = np.nanmax(np.abs(np.where(np.isfinite(result.gap), result.gap, np.nan)),
+                          initial=0.0) * 1.1 or 1.0
+    right_span = max(np.nanmax(finite, initial=0.0), result.tolerance) * 1.1
+    bottom.set_ylim(-left_span, left_span)
+    right.set_ylim(-right_span, right_span)
+    handles = bottom.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    bottom.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _last(curve: dict) -> float:
+    return curve[max(curve)]
+
+
+def _number(value, fmt=".4f") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def report(opts, argvs: dict, runs: dict, result: Divergence, seconds: dict) -> str:
+    """The markdown report: commands, hardware, final metrics, divergence, agreement."""
+    base, dist = "default", opts.strategy
+    worst = result.worst
+    step = int(result.smooth_steps[worst])
+    at = int(np.searchsorted(result.steps, step))
+    verdict = ("DIVERGED: beyond" if result.diverged else "PASS: within")
+    lines = [f"# tfdist-compare: {base} vs {dist}", "",
+             f"**{verdict} tolerance** (largest smoothed relative loss gap "
+             f"{result.max_relative_gap:.4g} vs tolerance {opts.tolerance:g})", "",
+             "## Runs", ""]
+    for name, argv in argvs.items():
+        lines += [f"{name} ({seconds[name]:.1f}s):", "```", shlex.join(argv), "```"]
+    summary = runs[dist]["summary"]
+    lines += ["", f"Hardware: {summary.get('hardware', runs[base]['summary'].get('hardware'))}",
+              "", f"Steps: {base} {runs[base]['summary'].get('steps')}, {dist} "
+              f"{summary.get('steps')} ({summary.get('replicas')} replicas, "
+              f"{summary.get('workers')} worker(s), global batch "
+              f"{summary.get('global_batch_size')}); compared at {len(result.steps)} steps, "
+              f"moving average over {result.window} steps", "",
+              "## Final metrics", "", f"| | {base} | {dist} |", "|---|---|---|"]
+    rows = (("final training loss (last step)", lambda r: _last(r["scalars"]["loss"])),
+            ("training accuracy (last loop)", lambda r: r["summary"].get("train_accuracy")),
+            ("test loss", lambda r: r["summary"].get("test_loss")),
+            ("test accuracy", lambda r: r["summary"].get("accuracy")))
+    for label, get in rows:
+        lines.append(f"| {label} | {_number(get(runs[base]))} | {_number(get(runs[dist]))} |")
+    lines += ["", "## Largest divergence", "",
+              f"At step {step} (mean of the {result.window} steps ending there): {base} "
+              f"{result.smooth_default[worst]:.5g}, {dist} {result.smooth_distributed[worst]:.5g}, "
+              f"gap {result.smooth_distributed[worst] - result.smooth_default[worst]:+.4g} "
+              f"(relative {result.max_relative_gap:.4g}, tolerance {opts.tolerance:g}). "
+              f"Unsmoothed at step {step}: {base} {result.default[at]:.5g}, {dist} "
+              f"{result.distributed[at]:.5g}."]
+    gaps = np.abs(np.nan_to_num(result.gap, nan=np.inf))
+    raw = int(np.argmax(gaps))
+    lines.append(f"Largest per-step gap: {result.gap[raw]:+.4g} at step {int(result.steps[raw])}.")
+    lines += ["", *_agreement_lines(opts, runs[dist]["scalars"])]
+    return "\n".join(lines) + "\n"
+
+
+def _agreement_lines(opts, scalars: dict) -> list:
+    if not opts.grad_agreement_every:
+        return []
+    table = agreement_table(scalars)
+    lines = ["## Gradient agreement", ""]
+    if not table:
+        return lines + [f"No per-replica gradient agreement was logged (asked for every "
+                        f"{opts.grad_agreement_every} steps)."]
+    samples = max(n for _, _, n in table.values())
+    lines += [f"Cosine similarity of each replica's local gradient with the cross-replica "
+              f"mean, over {samples} sampled steps (every {opts.grad_agreement_every}):", "",
+              "| replica | min | mean |", "|---|---|---|"]
+    lines += [f"| {r} | {low:.4f} | {mean:.4f} |" for r, (low, mean, _) in table.items()]
+    overall = min(low for low, _, _ in table.values())
+    return lines + ["", f"Overall min: {overall:.4f}"]
+
+
+def compare(opts, shared: list) -> int:
+    argvs = commands(opts, shared)
+    prepare_output(opts.output_dir, argvs)
+    seconds = {name: run(name, argv, opts.output_dir, opts.timeout_s)
+               for name, argv in argvs.items()}
+    runs = {name: read_run(name, os.path.join(opts.output_dir, name)) for name in argvs}
+    try:
+        result = divergence(runs["default"]["scalars"]["loss"],
+                            runs[opts.strategy]["scalars"]["loss"],
+                            window=opts.window, tolerance=opts.tolerance)
+    except ValueError as error:  # e.g. a run resumed past the other's last step
+        raise UsageError(f"cannot compare the loss curves: {error}") from None
+    plot(result, ("default", opts.strategy), os.path.join(opts.output_dir, PLOT))
+    text = report(opts, argvs, runs, result, seconds)
+    with open(os.path.join(opts.output_dir, REPORT), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+    progress(f"{'diverged' if result.diverged else 'within tolerance'}: largest smoothed "
+             f"relative gap {result.max_relative_gap:.4g} (tolerance {opts.tolerance:g}); "
+             f"report and plot in {opts.output_dir}")
+    return 1 if result.diverged else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # e.g. SIGINT in a background job
+            signal.signal(signum, _interrupt)
+    try:
+        opts, shared = parse_args(argv)
+        return compare(opts, shared)
+    except UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except Interrupted as interrupted:
+        print(f"{PROG}: interrupted by {interrupted}; the running training (if any) was "
+              "stopped", file=sys.stderr, flush=True)
+        return 128 + interrupted.signum
+
+
+if __name__ == "__main__":
+    sys.exit(main())
