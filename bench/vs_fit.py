@@ -91,9 +91,13 @@ def _dataset_fn(spec):
 
 
 def _short_error(error) -> str:
-    text = str(error).strip().splitlines()
-    line = next((t for t in text if "rror" in t or "must" in t), text[0] if text else "")
-    return f"{type(error).__name__}: {line.strip()[:90]}"
+    """The telling line of a TensorFlow error (not 'Graph execution error:')."""
+    lines = [t.strip() for t in str(error).strip().splitlines() if t.strip()]
+    telling = [t for t in lines if "execution error" not in t and not t.startswith(
+        ("File ", "Detected at node", "Traceback"))]
+    line = next((t for t in telling if "must" in t or "rror" in t),
+                telling[0] if telling else "")
+    return f"{type(error).__name__}: {line[:100]}"
 
 
 def child(model, precision, strategy_name, seconds):
