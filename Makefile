@@ -45,5 +45,16 @@ test: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m 'not integration'
 
+# Every benchmark, one after the other; each prints its rows as it measures
+# them and stays under ~10 minutes on a slow 2-core CPU. The sections collect
+# in bench/results/report.md. A failed Horovod build only skips its bench.
+bench: $(STAMP)
+	$(BIN)/python bench/vs_fit.py
+	$(BIN)/python bench/features.py
+	$(BIN)/python bench/scaling.py
+	-$(MAKE) --no-print-directory horovod
+	$(BIN)/python bench/horovod_vs_multi_worker.py
+	$(BIN)/python bench/dtensor.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -103,3 +104,103 @@ def write_section(name: str, title: str, body: str) -> str:
 def print_row(row: list, header: list[str]) -> None:
     """One result line as soon as it is measured (benchmarks take minutes)."""
     print("  ".join(f"{h}={v}" for h, v in zip(header, row)), flush=True)
+
+
+# -- Time-budgeted runs -------------------------------------------------------
+# A benchmark must finish in minutes on a slow CPU too (AVX2-only, fp16/bf16
+# emulated), so runs are sized by time: a short probe gives the seconds per
+# step, `sized_steps` turns a budget into steps, and every run has a timeout
+# after which its row says so instead of hanging the whole benchmark.
+
+LOOPS = 4          # timed loops per measurement; the first (compiling) loop comes on top
+PROBE_STEPS = 4    # a probe: a compiling loop of 2 steps, then a timed loop of 2
+
+
+class RunFailed(Exception):
+    """A run that crashed or ran out of time; str() is what its table cell says."""
+
+
+def _stop_group(process: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM the run's process group (launchers pass it on to their workers and
+    stop them), then SIGKILL what is left (TensorFlow may ignore SIGTERM)."""
+    import signal
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    line = next((t for t in reversed(lines) if "rror" in t or "fault" in t),
+                lines[-1] if lines else "no output")
+    return line[-100:].replace("|", "/")   # it goes into a markdown table
+
+
+def run_lines(command: list[str], timeout: float) -> str:
+    """Run `command` in its own process group; return its stdout. Raises
+    RunFailed("timed out (> N s)") after `timeout` seconds (the group is stopped)
+    or RunFailed("fails: <last error line>") on a non-zero exit."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_group(process)
+        process.communicate()
+        raise RunFailed(f"timed out (> {timeout:.0f} s)") from None
+    except BaseException:   # e.g. Ctrl-C: leave no run behind
+        _stop_group(process, grace=5.0)
+        raise
+    if process.returncode != 0:
+        raise RunFailed(f"fails: {_error_line(stderr)}")
+    return stdout
+
+
+def run_summary(command: list[str], timeout: float) -> dict:
+    """Like `summary`, but a crash or a timeout raises RunFailed (the row says
+    so) instead of ending the benchmark."""
+    stdout = run_lines(command, timeout)
+    for line in reversed(stdout.splitlines()):
+        start = line.find("{")
+        if start >= 0:
+            return json.loads(line[start:])
+    raise RunFailed("fails: no run summary in its output")
+
+
+def step_seconds(run: dict) -> float:
+    """Seconds per step of a run summary (its timed loops)."""
+    return run["global_batch_size"] / run["examples_per_sec"]
+
+
+def sized_steps(seconds: float, seconds_per_step: float, loops: int = LOOPS) -> tuple[int, int]:
+    """(train_steps, steps_per_loop) for about `seconds` of timed training at
+    `seconds_per_step`: `loops` timed loops after the first, which compiles and
+    is not timed (so a run trains about (loops + 1) / loops x `seconds`)."""
+    per_loop = max(1, math.ceil(seconds / loops / seconds_per_step))
+    return (loops + 1) * per_loop, per_loop
+
+
+def probe(command_for, timeout: float) -> float:
+    """Seconds per step of `command_for(train_steps, steps_per_loop)`, from a
+    short run of PROBE_STEPS steps (half compiling, half timed)."""
+    return step_seconds(run_summary(command_for(PROBE_STEPS, PROBE_STEPS // 2), timeout))
+
+
+class Clock:
+    """Wall time since the benchmark started, for its closing line."""
+
+    def __init__(self):
+        import time
+        self._time = time.monotonic
+        self.started = time.monotonic()
+
+    def minutes(self) -> str:
+        return f"{(self._time() - self.started) / 60:.1f} min"

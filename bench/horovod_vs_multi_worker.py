@@ -1,33 +1,107 @@
 """Horovod vs MultiWorkerMirroredStrategy, 2 processes each, same model and batch.
 
-    .venv/bin/python bench/horovod_vs_multi_worker.py [--steps=N] [--global_batch=B]
+    .venv/bin/python bench/horovod_vs_multi_worker.py [--seconds=S] [--steps=N]
+        [--global_batch=B] [--models=mlp,transformer] [--timeout=T]
 
 Both engines run the same tfdist trainer on synthetic data; only the
 collective layer differs (Horovod's Gloo grouped all-reduce vs TensorFlow's
-collective ops). Prints examples/sec of each and the ratio horovod / multi_worker.
+collective ops). Prints examples/sec of each and the ratio horovod /
+multi_worker. Without a Horovod build (no .venv/bin/horovodrun; `make horovod`
+builds it) it prints one line, writes a section saying so and exits 0.
+
+Runs are sized by time: per model, a short multi_worker probe (PROBE_STEPS
+steps) gives the step time, and both engines then train the same number of
+steps, about --seconds of timed loops (the first loop of each run compiles
+and is not timed). --steps=N trains exactly N steps (N/4 per loop) instead.
+A run still going after --timeout seconds is stopped and its row says
+`timed out`. Each row is printed when measured; the table also goes to
+bench/results/horovod_vs_multi_worker.md and report.md.
+
+Run time: about 3 minutes on this 2-core Xeon (AVX-512) at the defaults,
+estimated from tiny runs (~25-30 s to start a 2-process run of either engine).
 """
 
 import argparse
+import os
+import sys
 
-from common import HOROVODRUN, LAUNCH, MODELS, TRAIN, summary, table
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    HOROVODRUN, LAUNCH, MODELS, REPO, TRAIN, Clock, RunFailed, markdown_table, print_row, probe,
+    run_summary, sized_steps, table, write_section)
+
+NAME = "horovod_vs_multi_worker"
+TITLE = "Horovod vs multi_worker (bench/horovod_vs_multi_worker.py)"
+# (engine, launcher + trainer command); ratios are against the first.
+ENGINES = [
+    ("multi_worker", [LAUNCH, "--workers=2", "--", TRAIN, "--strategy=multi_worker"]),
+    ("horovod", [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", TRAIN,
+                 "--strategy=horovod"]),
+]
+HEADER = ["model", "engine", "steps", "ex/s", "vs multi_worker"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=6.0,
+                        help="timed seconds per run (after its compiling loop), sized on "
+                             "multi_worker; horovod trains as many steps")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train exactly this many steps per run instead (N/4 per loop)")
     parser.add_argument("--global_batch", type=int, default=128)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--timeout", type=float, default=180,
+                        help="seconds after which one run is stopped and reported as timed out")
     args = parser.parse_args()
-    rows = []
-    for name, model_flags in MODELS.items():
-        common = ["--synthetic", f"--train_steps={args.steps}", "--steps_per_loop=50",
-                  f"--global_batch_size={args.global_batch}", *model_flags]
-        mw = summary([LAUNCH, "--workers=2", "--", TRAIN, "--strategy=multi_worker", *common])
-        hv = summary([HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", TRAIN,
-                      "--strategy=horovod", *common])
-        rows.append([name, f"{mw['examples_per_sec']:.0f}", f"{hv['examples_per_sec']:.0f}",
-                     f"{hv['examples_per_sec'] / mw['examples_per_sec']:.2f}"])
-    print(f"2 processes, global batch {args.global_batch}, synthetic data")
-    print(table(rows, ["model", "multi_worker ex/s", "horovod ex/s", "ratio hvd/mw"]))
+    if not os.path.exists(HOROVODRUN):
+        print(f"{NAME}: skipped: Horovod is not built ({os.path.relpath(HOROVODRUN, REPO)} is "
+              "missing; `make horovod` builds it)", flush=True)
+        write_section(NAME, TITLE, "Not measured: Horovod is not built on this machine "
+                      "(`make horovod` builds it).")
+        return
+    clock, rows = Clock(), []
+    for name in args.models.split(","):
+        def command(engine, train_steps, per_loop):
+            return [*engine, "--synthetic", f"--train_steps={train_steps}",
+                    f"--steps_per_loop={per_loop}", f"--global_batch_size={args.global_batch}",
+                    *MODELS[name]]
+
+        try:
+            if args.steps:
+                sizing = (args.steps, max(1, args.steps // 4))
+            else:
+                step_s = probe(lambda steps, loop: command(ENGINES[0][1], steps, loop),
+                               args.timeout)
+                sizing = sized_steps(args.seconds, step_s)
+                print(f"{name}: {sizing[0]} steps ({sizing[1]} per loop) per run, from a "
+                      f"{ENGINES[0][0]} probe of {step_s:.3f} s/step", flush=True)
+        except RunFailed as failure:
+            sizing = failure   # every row of this model says what the probe hit
+        first = None   # the first engine's examples/sec
+        for index, (engine, launch) in enumerate(ENGINES):
+            try:
+                if isinstance(sizing, RunFailed):
+                    raise RunFailed(f"probe {sizing}")
+                eps = run_summary(command(launch, *sizing), args.timeout)["examples_per_sec"]
+                first = eps if index == 0 else first
+                cells = [f"{eps:.0f}", f"{eps / first:.2f}" if first else "-"]
+            except RunFailed as failure:
+                cells = [str(failure), "-"]
+            row = [name, engine, "-" if isinstance(sizing, RunFailed) else sizing[0], *cells]
+            rows.append(row)
+            print_row(row, HEADER)
+    how = (f"{args.steps} steps per run" if args.steps else
+           f"steps per model sized by a multi_worker probe for about {args.seconds:g} s of "
+           "timed loops")
+    body = (f"2 processes on one host (tfdist-launch for multi_worker, `horovodrun --gloo` for "
+            f"horovod), synthetic data, global batch {args.global_batch}; {how}, the first "
+            "loop (compiling) not timed.\n\n" + markdown_table(rows, HEADER))
+    print()
+    print(table(rows, HEADER))
+    print()
+    print(write_section(NAME, TITLE, body))
+    print(f"{NAME}: {clock.minutes()}")
 
 
 if __name__ == "__main__":
