@@ -38,6 +38,12 @@ ENGINES = [
     ("multi_worker", [LAUNCH, "--workers=2", "--", TRAIN, "--strategy=multi_worker"]),
     ("horovod", [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", TRAIN,
                  "--strategy=horovod"]),
+    # Bucketed reductions (--reduce_bucket_mb): collectives issued during the
+    # backward pass instead of one after it.
+    ("multi_worker, 4 MB buckets", [LAUNCH, "--workers=2", "--", TRAIN,
+                                    "--strategy=multi_worker", "--reduce_bucket_mb=4"]),
+    ("horovod, 4 MB buckets", [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", TRAIN,
+                               "--strategy=horovod", "--reduce_bucket_mb=4"]),
 ]
 HEADER = ["model", "engine", "steps", "ex/s", "vs multi_worker"]
 

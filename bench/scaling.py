@@ -38,6 +38,7 @@ from common import (  # noqa: E402
 VARIANTS = [
     ("1 worker", 1, []),
     ("2 workers", 2, []),
+    ("2 workers, 4 MB buckets", 2, ["--reduce_bucket_mb=4"]),
 ]
 HEADER = ["model", "variant", "workers", "steps", "ex/s", "ex/s per worker",
           "per worker vs 1st"]

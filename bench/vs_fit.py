@@ -95,8 +95,8 @@ def _short_error(error) -> str:
     lines = [t.strip() for t in str(error).strip().splitlines() if t.strip()]
     telling = [t for t in lines if "execution error" not in t and not t.startswith(
         ("File ", "Detected at node", "Traceback"))]
-    line = next((t for t in telling if "must" in t or "rror" in t),
-                telling[0] if telling else "")
+    line = next((t for t in telling if t.startswith("(0)") or "must" in t),
+                next((t for t in telling if "rror" in t), telling[0] if telling else ""))
     return f"{type(error).__name__}: {line[:100]}"
 
 
@@ -148,7 +148,7 @@ def child(model, precision, strategy_name, seconds):
             finally:
                 keras.config.set_dtype_policy(previous)
             count = flops.try_training_flops_per_example(m)
-            m.fit(data, steps_per_epoch=2 * STEPS_PER_LOOP, epochs=1, verbose=0)  # compile
+            m.fit(data, steps_per_epoch=STEPS_PER_LOOP, epochs=1, verbose=0)  # compile
             started = time.perf_counter()
             m.fit(data, steps_per_epoch=STEPS_PER_LOOP, epochs=1, verbose=0)
             per_step = (time.perf_counter() - started) / STEPS_PER_LOOP
@@ -185,7 +185,10 @@ def child(model, precision, strategy_name, seconds):
     train("tfdist off", "off")
     train("tfdist XLA", "on")
     from tfdist.training import xla
-    if xla.auto_level(precision, strategy_name == "default") == xla.OPTIMIZER:
+    share = flops.convolution_share(flops.forward_flops_by_op(model_fn(spec)))
+    level = xla.auto_level(precision, strategy_name == "default", share)
+    print(json.dumps({"auto_level": level}), flush=True)
+    if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only
     print(json.dumps({"peak_tflops": peak_tflops}), flush=True)
 
@@ -230,7 +233,7 @@ def main():
         model, precision, strategy, seconds = sys.argv[2:6]
         return child(model, precision, strategy, float(seconds))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3.0,
+    parser.add_argument("--seconds", type=float, default=2.0,
                         help="timed seconds per measurement (after a warm-up)")
     parser.add_argument("--models", default="mlp,cnn,transformer")
     parser.add_argument("--precisions", default="float32,mixed_bfloat16")
@@ -243,9 +246,9 @@ def main():
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             for strategy in args.strategies.split(","):
-                auto = {xla.STEP: "tfdist XLA", xla.OFF: "tfdist off"}.get(
-                    xla.auto_level(precision, strategy == "default"), "tfdist auto")
                 r = measure(model, precision, strategy, args.seconds)
+                auto = {xla.STEP: "tfdist XLA", xla.OFF: "tfdist off"}.get(
+                    r.get("auto_level"), "tfdist auto")
                 peaks[precision] = r.get("peak_tflops")
                 working = [r[v] for v in ("fit", "fit+XLA", "fit spe=1")
                            if v in r and r[v]["examples_per_sec"]]

@@ -194,3 +194,17 @@ def test_compute_dtype_of_each_precision():
         peak.compute_dtype("float64")
     with pytest.raises(ValueError, match="bfloat16"):
         peak.matmul_peak_tflops("float64")
+
+
+def test_convolution_share_splits_the_count_by_op():
+    """The cnn builder is nearly all convolution; the mlp none."""
+    from tfdist import models
+    from tfdist.config import ModelConfig
+    from tfdist.data.spec import DatasetSpec
+
+    spec = DatasetSpec(name="images", kind="image", input_shape=(32, 32, 3), num_classes=10)
+    cnn = flops.forward_flops_by_op(models.build(ModelConfig(name="cnn"), spec))
+    mlp = flops.forward_flops_by_op(models.build(ModelConfig(name="mlp"), spec))
+    assert set(cnn) >= {"Conv2D", "MatMul"} and flops.convolution_share(cnn) > 0.99
+    assert flops.convolution_share(mlp) == 0.0 and set(mlp) == {"MatMul"}
+    assert sum(cnn.values()) == flops.forward_flops(models.build(ModelConfig(name="cnn"), spec))

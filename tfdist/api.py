@@ -75,7 +75,8 @@ def write_summary(model_dir: str, summary: dict) -> None:
     os.replace(tmp, path)
 
 
-def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None) -> list[str]:
+def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
+                         convolution_share: float = 0.0) -> list[str]:
     """One line for each setting known to be slow on this CPU, with what is faster."""
     tc, lines = config.train, []
     bf16 = hardware.bf16_support()
@@ -88,7 +89,8 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None) -> li
                      "(0.5x float32 for the mlp, ~15x slower for convolutions, measured by "
                      "bench/features.py): use float32, or mixed_bfloat16 on AMX CPUs")
     supports = strategy is None or strategy.supports_xla
-    auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step)
+    auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step,
+                          convolution_share)
     if tc.jit_compile != "auto" and jit_level != auto and supports:
         lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
                      f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "
@@ -198,7 +200,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
     tc = config.train
     strategy.check_config(config)
     check_batch(config, strategy.num_replicas)
-    jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy)
+    xla.check(tc.jit_compile, strategy)
     if tc.profile_steps and not tc.model_dir:
         raise UsageError(f"--profile_steps={','.join(map(str, tc.profile_steps))} writes its "
                          "trace into model_dir/tensorboard; set --model_dir")
@@ -216,7 +218,10 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
             return Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
                                 is_chief=strategy.is_chief, **trackables)
 
-    flops_per_example = flops.try_training_flops_per_example(model)
+    by_op = flops.try_forward_flops_by_op(model) or {}
+    flops_per_example = flops.TRAINING_PASSES * sum(by_op.values()) or None
+    convolution_share = flops.convolution_share(by_op)
+    jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share)
     peak_tflops = peak.precision_peak_tflops(tc.precision, measure=strategy.is_chief) \
         if flops_per_example else None
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,
@@ -226,7 +231,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
     peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
     for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
         logging.info(line)
-    for line in slow_choice_warnings(config, jit_level, strategy):
+    for line in slow_choice_warnings(config, jit_level, strategy, convolution_share):
         logging.warning(line)
     try:
         metrics = trainer.fit()

@@ -33,7 +33,7 @@ from absl import logging
 # weights), so a training step costs 3 forward passes (Kaplan et al. 2020's
 # 6 * params FLOPs per token). Recomputation (`--recompute`) is not counted:
 # MFU measures useful work, not work the run chose to redo.
-_TRAINING_PASSES = 3
+TRAINING_PASSES = 3
 
 
 def forward_flops(model, input_signature=None) -> int:
@@ -43,24 +43,43 @@ def forward_flops(model, input_signature=None) -> int:
     like the model's inputs (one spec, a list, or a dict by input name);
     by default built from `model.inputs`.
     """
+    return sum(forward_flops_by_op(model, input_signature).values())
+
+
+def forward_flops_by_op(model, input_signature=None) -> dict:
+    """`forward_flops` split by op type, e.g. {"MatMul": ..., "Conv2D": ...}."""
     if input_signature is None:
         input_signature = _input_signature(model)
     traced = tf.function(lambda inputs: model(inputs, training=False))
     graph = traced.get_concrete_function(input_signature).graph
-    return _graph_flops(graph, (graph,))
+    by_op: dict = {}
+    _graph_flops(graph, (graph,), by_op)
+    return by_op
+
+
+def convolution_share(by_op: dict) -> float:
+    """The fraction of FLOPs in convolutions (0 for a model without any)."""
+    total = sum(by_op.values())
+    return sum(v for k, v in by_op.items() if "Conv" in k) / total if total else 0.0
 
 
 def training_flops_per_example(model, input_signature=None) -> int:
     """FLOPs of one example's training step: 3 x `forward_flops` (the backward
     pass costs about twice the forward)."""
-    return _TRAINING_PASSES * forward_flops(model, input_signature)
+    return TRAINING_PASSES * forward_flops(model, input_signature)
 
 
 def try_training_flops_per_example(model) -> Optional[int]:
     """`training_flops_per_example`, or None (with one warning) if the model
     cannot be traced or counted: a missing MFU must not end a training run."""
+    by_op = try_forward_flops_by_op(model)
+    return None if by_op is None else TRAINING_PASSES * sum(by_op.values())
+
+
+def try_forward_flops_by_op(model) -> Optional[dict]:
+    """`forward_flops_by_op`, or None (with one warning line)."""
     try:
-        return training_flops_per_example(model)
+        return forward_flops_by_op(model)
     except Exception as error:  # noqa: BLE001 - whatever fails, the run goes on
         first_line = (str(error).strip().splitlines() or [""])[0]
         logging.warning("Cannot count the FLOPs of model %r (%s: %s); MFU will not be "
@@ -94,38 +113,47 @@ def _input_signature(model):
     return tf.nest.map_structure(lambda t: tf.TensorSpec((1, *t.shape[1:]), t.dtype), structure)
 
 
-def _graph_flops(graph, scopes) -> int:
-    """FLOPs of every op in `graph` and in the functions its ops call.
-    `scopes`: `graph` and the graphs it is nested in, innermost last."""
+def _graph_flops(graph, scopes, by_op: dict) -> int:
+    """FLOPs of every op in `graph` and in the functions its ops call, also
+    added to `by_op` per op type. `scopes`: `graph` and the graphs it is
+    nested in, innermost last."""
     total = 0
     for op in graph.get_operations():
         counter = _COUNTERS.get(op.type)
         if counter is not None:
-            total += counter(op)
-        total += _called_flops(op, scopes)
+            flops = counter(op)
+            by_op[op.type] = by_op.get(op.type, 0) + flops
+            total += flops
+        total += _called_flops(op, scopes, by_op)
     return total
 
 
-def _called_flops(op, scopes) -> int:
+def _called_flops(op, scopes, by_op: dict) -> int:
     """FLOPs of the functions `op` calls: the costlier branch of an If/Case
     (one of them runs), one pass of a While's condition and body, all others."""
-    flops = [_function_flops(function, scopes)
-             for value in op.node_def.attr.values()
+    names = [function for value in op.node_def.attr.values()
              for function in ([value.func.name] if value.HasField("func")
                               else [f.name for f in value.list.func])]
     if op.type in ("If", "StatelessIf", "Case", "StatelessCase"):
-        return max(flops)
-    return sum(flops)
+        branches = [({}, name) for name in names]
+        counted = [(_function_flops(name, scopes, part), part) for part, name in branches]
+        if not counted:
+            return 0
+        flops, part = max(counted, key=lambda c: c[0])
+        for kind, value in part.items():
+            by_op[kind] = by_op.get(kind, 0) + value
+        return flops
+    return sum(_function_flops(name, scopes, by_op) for name in names)
 
 
-def _function_flops(name, scopes) -> int:
+def _function_flops(name, scopes, by_op: dict) -> int:
     for graph in reversed(scopes):
         # `_get_function` is private, but it hands back the traced FuncGraph
         # with its static shapes; rebuilding graphs from the FunctionDefs of
         # `as_graph_def().library` would need private imports too.
         function = graph._get_function(name)  # noqa: SLF001
         if function is not None:
-            return _graph_flops(function.graph, (*scopes, function.graph))
+            return _graph_flops(function.graph, (*scopes, function.graph), by_op)
     raise ValueError(f"function {name} is not in the graph's function library")
 
 

@@ -18,6 +18,8 @@ runs on:
   - `step` for bfloat16 without AMX: XLA computes bf16 dots in float32,
     faster than oneDNN's bf16 kernels there (AVX512-BF16: half its float32
     rate; AVX2: emulated);
+  - `optimizer` for models whose FLOPs are mostly convolutions (XLA's CPU
+    convolutions were slower than oneDNN's: the cnn 1061 vs 1277 examples/s);
   - `optimizer` otherwise: float32 under replicated engines (under mirrored,
     XLA clusters of two replicas on shared cores ran at half the speed of
     oneDNN's kernels), and bfloat16 on AMX CPUs, where XLA's dots bypass
@@ -35,29 +37,39 @@ from tfdist.observe import hardware
 STEP, OPTIMIZER, OFF = "step", "optimizer", "off"
 
 
-def auto_level(precision: str, whole_step: bool = True) -> str:
+# Above this share of a model's FLOPs in convolutions, auto leaves the
+# forward/backward to oneDNN: XLA's CPU convolutions were slower (the cnn:
+# 1061 vs 1277 examples/s under the default strategy, float32).
+CONVOLUTION_SHARE = 0.5
+
+
+def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0) -> str:
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
-    engine whose replica step fits in one XLA cluster (`whole_step`) or not."""
+    engine whose replica step fits in one XLA cluster (`whole_step`) or not,
+    for a model with `convolution_share` of its FLOPs in convolutions."""
     amx = hardware.bf16_support() == "AMX"
-    if precision == "mixed_bfloat16" and amx:
+    if (precision == "mixed_bfloat16" and amx) or convolution_share > CONVOLUTION_SHARE:
         return OPTIMIZER
     if whole_step or precision != "float32":
         return STEP
     return OPTIMIZER
 
 
-def resolve(setting: str, precision: str, strategy) -> str:
+def check(setting: str, strategy) -> None:
+    """Raise `UsageError` if `--jit_compile=setting` cannot run under `strategy`."""
+    if setting == "on" and not strategy.supports_xla:
+        raise UsageError(f"--jit_compile=on is not supported by --strategy={strategy.name}: "
+                         f"{strategy.supports_xla_reason}; use --jit_compile=off or auto")
+
+
+def resolve(setting: str, precision: str, strategy, convolution_share: float = 0.0) -> str:
     """The level for `--jit_compile=setting` under `strategy`."""
-    if not strategy.supports_xla:
-        if setting == "on":
-            raise UsageError(f"--jit_compile=on is not supported by --strategy={strategy.name}: "
-                             f"{strategy.supports_xla_reason}; use --jit_compile=off or auto")
+    check(setting, strategy)
+    if not strategy.supports_xla or setting == "off":
         return OFF
     if setting == "on":
         return STEP
-    if setting == "off":
-        return OFF
-    return auto_level(precision, strategy.xla_whole_step)
+    return auto_level(precision, strategy.xla_whole_step, convolution_share)
 
 
 def describe(setting: str, level: str) -> str:
