@@ -15,14 +15,17 @@ runs on:
 `auto` picks, from those measurements:
   - `step` where the whole replica step fits in one XLA cluster (the default
     strategy): XLA fuses everything, and XLA's float32 dots match oneDNN's;
-  - `step` for bfloat16 without AMX: XLA computes bf16 dots in float32,
-    faster than oneDNN's bf16 kernels there (AVX512-BF16: half its float32
-    rate; AVX2: emulated);
-  - `optimizer` for models whose FLOPs are mostly convolutions (XLA's CPU
-    convolutions were slower than oneDNN's: the cnn 1061 vs 1277 examples/s);
-  - `optimizer` otherwise: float32 under replicated engines (under mirrored,
-    XLA clusters of two replicas on shared cores ran at half the speed of
-    oneDNN's kernels), and bfloat16 on AMX CPUs, where XLA's dots bypass
+  - `step` for 16-bit policies without AMX: XLA computes bf16 dots and
+    convolutions in float32, faster than oneDNN's bf16 kernels there
+    (AVX512-BF16: half its float32 matmul rate; AVX2: emulated; Keras fit on
+    the cnn: 1114 vs 501 examples/s with XLA on vs off);
+  - `optimizer` for float32 models whose FLOPs are mostly convolutions
+    (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
+    examples/s under the default strategy);
+  - `optimizer` otherwise: float32 under replicated engines, where an XLA
+    cluster for the gradients gained nothing (mirrored mlp: 1557 vs 1528
+    examples/s) and keeps the gradients from appearing one by one for
+    --reduce_bucket_mb; and bfloat16 on AMX CPUs, where XLA's dots bypass
     oneDNN's AMX path (Keras fit measured 1868 vs 2877 examples/s with XLA
     on vs off there).
 """
@@ -47,12 +50,13 @@ def auto_level(precision: str, whole_step: bool = True, convolution_share: float
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
     for a model with `convolution_share` of its FLOPs in convolutions."""
-    amx = hardware.bf16_support() == "AMX"
-    if (precision == "mixed_bfloat16" and amx) or convolution_share > CONVOLUTION_SHARE:
+    if precision == "mixed_bfloat16" and hardware.bf16_support() == "AMX":
         return OPTIMIZER
-    if whole_step or precision != "float32":
-        return STEP
-    return OPTIMIZER
+    if precision != "float32":
+        return STEP   # XLA's float32 dots and convolutions beat 16-bit kernels without AMX
+    if convolution_share > CONVOLUTION_SHARE or not whole_step:
+        return OPTIMIZER
+    return STEP
 
 
 def check(setting: str, strategy) -> None:
