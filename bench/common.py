@@ -188,6 +188,23 @@ def sized_steps(seconds: float, seconds_per_step: float, loops: int = LOOPS) -> 
     return (loops + 1) * per_loop, per_loop
 
 
+def run_sizing(args, command_for, what: str):
+    """(train_steps, steps_per_loop) for every run of one model: `--steps` if
+    given (N/4 per loop), else sized from a probe of `command_for` for about
+    `--seconds` of timed loops; the RunFailed the probe hit otherwise (each
+    row of the model then says it)."""
+    if args.steps:
+        return args.steps, max(1, args.steps // 4)
+    try:
+        step_s = probe(command_for, args.timeout)
+    except RunFailed as failure:
+        return failure
+    sizing = sized_steps(args.seconds, step_s)
+    print(f"{what}: {sizing[0]} steps ({sizing[1]} per loop) per run, from a probe of "
+          f"{step_s:.3f} s/step", flush=True)
+    return sizing
+
+
 def probe(command_for, timeout: float) -> float:
     """Seconds per step of `command_for(train_steps, steps_per_loop)`, from a
     short run of PROBE_STEPS steps (half compiling, half timed)."""

@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402
-    TRAIN, Clock, RunFailed, markdown_table, print_row, probe, run_summary, sized_steps, table,
+    TRAIN, Clock, RunFailed, markdown_table, print_row, run_sizing, run_summary, table,
     write_section)
 from tfdist.observe import hardware  # noqa: E402
 
@@ -77,18 +77,9 @@ def main():
     clock, rows = Clock(), []
     for name in args.models.split(","):
         model_flags = MODELS[name]
-        try:
-            if args.steps:
-                sizing = (args.steps, max(1, args.steps // 4))
-            else:
-                label, mesh, extra = MESHES[0]
-                step_s = probe(lambda steps, loop: command(model_flags, mesh, extra, args.batch,
-                                                           steps, loop), args.timeout)
-                sizing = sized_steps(args.seconds, step_s)
-                print(f"{name}: {sizing[0]} steps ({sizing[1]} per loop) per run, from a "
-                      f"probe of {label}: {step_s:.3f} s/step", flush=True)
-        except RunFailed as failure:
-            sizing = failure   # every row of this model says what the probe hit
+        label, mesh, extra = MESHES[0]
+        sizing = run_sizing(args, lambda steps, loop: command(
+            model_flags, mesh, extra, args.batch, steps, loop), f"{name} ({label})")
         base = None   # the first mesh's (examples/sec, parameter + optimizer bytes)
         for index, (label, mesh, extra) in enumerate(MESHES):
             row = [name, label, "-" if isinstance(sizing, RunFailed) else sizing[0]]

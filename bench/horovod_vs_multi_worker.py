@@ -28,8 +28,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    HOROVODRUN, LAUNCH, MODELS, REPO, TRAIN, Clock, RunFailed, markdown_table, print_row, probe,
-    run_summary, sized_steps, table, write_section)
+    HOROVODRUN, LAUNCH, MODELS, REPO, TRAIN, Clock, RunFailed, markdown_table, print_row,
+    run_sizing, run_summary, table, write_section)
 
 NAME = "horovod_vs_multi_worker"
 TITLE = "Horovod vs multi_worker (bench/horovod_vs_multi_worker.py)"
@@ -73,17 +73,8 @@ def main():
                     f"--steps_per_loop={per_loop}", f"--global_batch_size={args.global_batch}",
                     *MODELS[name]]
 
-        try:
-            if args.steps:
-                sizing = (args.steps, max(1, args.steps // 4))
-            else:
-                step_s = probe(lambda steps, loop: command(ENGINES[0][1], steps, loop),
-                               args.timeout)
-                sizing = sized_steps(args.seconds, step_s)
-                print(f"{name}: {sizing[0]} steps ({sizing[1]} per loop) per run, from a "
-                      f"{ENGINES[0][0]} probe of {step_s:.3f} s/step", flush=True)
-        except RunFailed as failure:
-            sizing = failure   # every row of this model says what the probe hit
+        sizing = run_sizing(args, lambda steps, loop: command(ENGINES[0][1], steps, loop),
+                            f"{name} ({ENGINES[0][0]})")
         first = None   # the first engine's examples/sec
         for index, (engine, launch) in enumerate(ENGINES):
             try:

@@ -31,8 +31,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    LAUNCH, MODELS, TRAIN, Clock, RunFailed, markdown_table, print_row, probe, run_summary,
-    sized_steps, table, write_section)
+    LAUNCH, MODELS, TRAIN, Clock, RunFailed, markdown_table, print_row, run_sizing, run_summary,
+    table, write_section)
 
 # (label, workers, extra tfdist-train flags); ratios are against the first.
 VARIANTS = [
@@ -65,18 +65,9 @@ def main():
     clock, rows = Clock(), []
     for name in args.models.split(","):
         model_flags = MODELS[name]
-        try:
-            if args.steps:
-                sizing = (args.steps, max(1, args.steps // 4))
-            else:
-                label, workers, extra = VARIANTS[0]
-                step_s = probe(lambda steps, loop: command(
-                    model_flags, workers, extra, args.per_worker_batch, steps, loop), args.timeout)
-                sizing = sized_steps(args.seconds, step_s)
-                print(f"{name}: {sizing[0]} steps ({sizing[1]} per loop) per run, from a probe "
-                      f"of {label}: {step_s:.3f} s/step", flush=True)
-        except RunFailed as failure:
-            sizing = failure   # every row of this model says what the probe hit
+        label, workers, extra = VARIANTS[0]
+        sizing = run_sizing(args, lambda steps, loop: command(
+            model_flags, workers, extra, args.per_worker_batch, steps, loop), f"{name} ({label})")
         first = None   # the first variant's examples/sec per worker
         for index, (label, workers, extra) in enumerate(VARIANTS):
             try:

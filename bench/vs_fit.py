@@ -8,7 +8,8 @@ and transformer builders), precision and strategy, one child process
 measures, one after the other on the same pipeline (tfdist's own: shuffled,
 repeated, batched random examples):
   fit          `model.fit`, steps_per_execution matched to tfdist's
-               --steps_per_loop (20), no XLA
+               --steps_per_loop (20), no XLA; one fit call, timed after its
+               first execution (which compiles)
   fit+XLA      the same with `jit_compile=True`
   fit spe=1    (mirrored only) steps_per_execution=1, which Keras needs there
   tfdist off   `tfdist.train` with --jit_compile=off
@@ -19,13 +20,14 @@ A setting that crashes is reported as such, not as a ratio. Every row is
 printed as soon as it is measured; the table (ratio tfdist / best working
 fit, MFU against this host's matmul peak, mirrored vs default) goes to
 bench/results/vs_fit.md and bench/results/report.md. Each measurement runs
-for about --seconds after a warm-up, so the whole bench stays under ~10
-minutes on either CPU kind.
+for about --seconds after a warm-up; a row that would likely end past
+--budget_minutes (9) is reported as not measured, so the bench ends in
+under 10 minutes on either CPU kind (all 12 rows took 13 minutes here at
+--seconds=2, mostly start-up and compilation).
 """
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -90,6 +92,26 @@ def _dataset_fn(spec):
     return dataset_fn
 
 
+def _step_timer(seconds, max_steps=None):
+    """A Keras callback timing the steps after the first execution (which
+    compiles); it stops training after `seconds` of them or `max_steps`."""
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
+        first, started, steps, elapsed = None, None, 0, 0.0
+
+        def on_train_batch_end(self, batch, logs=None):
+            now = time.perf_counter()
+            if self.started is None:
+                self.first, self.started = batch, now
+                return
+            self.steps, self.elapsed = batch - self.first, now - self.started
+            if self.steps >= max_steps if max_steps else self.elapsed >= seconds:
+                self.model.stop_training = True
+
+    return StepTimer()
+
+
 def _short_error(error) -> str:
     """The telling line of a TensorFlow error (not 'Graph execution error:')."""
     lines = [t.strip() for t in str(error).strip().splitlines() if t.strip()]
@@ -148,16 +170,13 @@ def child(model, precision, strategy_name, seconds):
             finally:
                 keras.config.set_dtype_policy(previous)
             count = flops.try_training_flops_per_example(m)
-            m.fit(data, steps_per_epoch=STEPS_PER_LOOP, epochs=1, verbose=0)  # compile
-            started = time.perf_counter()
-            m.fit(data, steps_per_epoch=STEPS_PER_LOOP, epochs=1, verbose=0)
-            per_step = (time.perf_counter() - started) / STEPS_PER_LOOP
-            steps = timed_steps or max(STEPS_PER_LOOP, STEPS_PER_LOOP * math.ceil(
-                seconds / per_step / STEPS_PER_LOOP))
+            # One fit call, so one iterator (a new one per call would refill the
+            # shuffle buffer inside the timed part) and one long epoch; the
+            # first execution compiles, the later ones are timed.
+            timer = _step_timer(seconds, timed_steps)
+            m.fit(data, steps_per_epoch=10_000_000, epochs=1, verbose=0, callbacks=[timer])
+            steps, elapsed = timer.steps, timer.elapsed
             timed_steps = timed_steps or steps
-            started = time.perf_counter()
-            m.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
-            elapsed = time.perf_counter() - started
             emit(variant, steps * batch / elapsed, flops_per_example=count)
         except Exception as error:  # noqa: BLE001 - a crash is a result here
             emit(variant, error=_short_error(error))
@@ -233,7 +252,10 @@ def main():
         model, precision, strategy, seconds = sys.argv[2:6]
         return child(model, precision, strategy, float(seconds))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=2.0,
+    parser.add_argument("--budget_minutes", type=float, default=9.0,
+                        help="start no new row that would likely end past this many minutes "
+                             "(such rows are reported as not measured)")
+    parser.add_argument("--seconds", type=float, default=1.0,
                         help="timed seconds per measurement (after a warm-up)")
     parser.add_argument("--models", default="mlp,cnn,transformer")
     parser.add_argument("--precisions", default="float32,mixed_bfloat16")
@@ -243,10 +265,19 @@ def main():
     from tfdist.training import xla
 
     rows, defaults, peaks = [], {}, {}
+    started, measured = time.perf_counter(), 0
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             for strategy in args.strategies.split(","):
+                elapsed = time.perf_counter() - started
+                if measured and elapsed * (measured + 1) / measured > 60 * args.budget_minutes:
+                    row = [model, precision, strategy] + ["not measured (time budget)"] + \
+                          ["-"] * (len(HEADER) - 4)
+                    rows.append(row)
+                    print_row(row, HEADER)
+                    continue
                 r = measure(model, precision, strategy, args.seconds)
+                measured += 1
                 auto = {xla.STEP: "tfdist XLA", xla.OFF: "tfdist off"}.get(
                     r.get("auto_level"), "tfdist auto")
                 peaks[precision] = r.get("peak_tflops")

@@ -73,7 +73,12 @@ def test_one_cross_replica_reduction_per_update_with_accumulation(strategy):
     """Trace one replica step with 4 micro-batches: the adapter's reduce hook
     runs once per replica, not once per micro-batch."""
 
-    config = run_config(strategy, batch=64, accum_steps=4)
+    adapter, traced = _reductions_in_one_step(run_config(strategy, batch=64, accum_steps=4))
+    assert traced == adapter.num_replicas
+
+
+def _reductions_in_one_step(config):
+    """(adapter, cross-replica reductions traced by one replica step of `config`)."""
     adapter = strategies.create(config.strategy)
     adapter.setup()
     with adapter.scope():
@@ -82,16 +87,11 @@ def test_one_cross_replica_reduction_per_update_with_accumulation(strategy):
         optimizer.build(model.trainable_variables)
     trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
                       inputs=FunctionInputs(image_dataset_fn, IMAGE_SPEC), total_steps=5)
-    batch = (tf.zeros((64 // adapter.num_replicas, 8, 8, 3)),
-             tf.zeros((64 // adapter.num_replicas,), tf.int32))
-
-    @tf.function
-    def one_step():
-        return adapter.run(trainer._replica_train_step, batch)
-
+    per_replica = config.train.global_batch_size // adapter.num_replicas
+    batch = (tf.zeros((per_replica, 8, 8, 3)), tf.zeros((per_replica,), tf.int32))
     before = adapter.reductions_traced
-    one_step.get_concrete_function()
-    assert adapter.reductions_traced - before == adapter.num_replicas
+    tf.function(lambda: adapter.run(trainer._replica_train_step, batch)).get_concrete_function()
+    return adapter, adapter.reductions_traced - before
 
 
 def test_bucketed_reductions_match_one_reduction():
@@ -106,21 +106,10 @@ def test_bucketed_reductions_match_one_reduction():
     assert_weights_close(bucketed.model.get_weights(), one.model.get_weights())
     assert bucketed.summary["loss"] == pytest.approx(one.summary["loss"], rel=1e-6)
 
-    adapter = strategies.create(config.strategy)
-    adapter.setup()
-    with adapter.scope():
-        model = models.build(config.model, IMAGE_SPEC)
-        optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
-        optimizer.build(model.trainable_variables)
-    trainer = Trainer(config=bucketed_config(config), strategy=adapter, model=model,
-                      optimizer=optimizer, inputs=FunctionInputs(image_dataset_fn, IMAGE_SPEC),
-                      total_steps=5)
-    batch = (tf.zeros((32, 8, 8, 3)), tf.zeros((32,), tf.int32))
-    before = adapter.reductions_traced
-    tf.function(lambda: adapter.run(trainer._replica_train_step, batch)).get_concrete_function()
+    adapter, traced = _reductions_in_one_step(bucketed_config(config))
     # Buckets from the last variable back: [logits b, logits k, hidden_1 b,
     # hidden_1 k (1 kB reached)], [hidden_0 b, hidden_0 k, counters].
-    assert adapter.reductions_traced - before == 2 * adapter.num_replicas
+    assert traced == 2 * adapter.num_replicas
 
 
 def bucketed_config(config):
