@@ -147,7 +147,8 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AMX")
     assert xla.auto_level("mixed_bfloat16") == xla.OPTIMIZER
     assert xla.auto_level("float32") == xla.STEP
-    assert xla.auto_level("float32", whole_step=False) == xla.OPTIMIZER
+    assert xla.auto_level("float32", whole_step=False) == xla.STEP
+    assert xla.auto_level("float32", whole_step=False, buckets=True) == xla.OPTIMIZER
     assert xla.auto_level("float32", convolution_share=0.9) == xla.OPTIMIZER  # a cnn
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OPTIMIZER  # AMX
     monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")

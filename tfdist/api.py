@@ -90,7 +90,7 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
                      "bench/features.py): use float32, or mixed_bfloat16 on AMX CPUs")
     supports = strategy is None or strategy.supports_xla
     auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step,
-                          convolution_share)
+                          convolution_share, bool(tc.reduce_bucket_mb))
     if tc.jit_compile != "auto" and jit_level != auto and supports:
         lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
                      f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "
@@ -221,7 +221,8 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
     by_op = flops.try_forward_flops_by_op(model) or {}
     flops_per_example = flops.TRAINING_PASSES * sum(by_op.values()) or None
     convolution_share = flops.convolution_share(by_op)
-    jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share)
+    jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share,
+                            bool(tc.reduce_bucket_mb))
     peak_tflops = peak.precision_peak_tflops(tc.precision, measure=strategy.is_chief) \
         if flops_per_example else None
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,

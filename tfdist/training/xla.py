@@ -13,8 +13,9 @@ runs on:
     off        plain TensorFlow graphs (oneDNN kernels throughout)
 
 `auto` picks, from those measurements:
-  - `step` where the whole replica step fits in one XLA cluster (the default
-    strategy): XLA fuses everything, and XLA's float32 dots match oneDNN's;
+  - `step` for float32 dense models (matmuls, einsums): XLA fuses the step
+    (everything, under the default strategy) and its float32 dots match
+    oneDNN's;
   - `step` for 16-bit policies without AMX: XLA computes bf16 dots and
     convolutions in float32, faster than oneDNN's bf16 kernels there
     (AVX512-BF16: half its float32 matmul rate; AVX2: emulated; Keras fit on
@@ -22,12 +23,15 @@ runs on:
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
     examples/s under the default strategy);
-  - `optimizer` otherwise: float32 under replicated engines, where an XLA
-    cluster for the gradients gained nothing (mirrored mlp: 1557 vs 1528
-    examples/s) and keeps the gradients from appearing one by one for
-    --reduce_bucket_mb; and bfloat16 on AMX CPUs, where XLA's dots bypass
-    oneDNN's AMX path (Keras fit measured 1868 vs 2877 examples/s with XLA
-    on vs off there).
+  - `optimizer` with --reduce_bucket_mb under replicated engines: one XLA
+    cluster for the gradients would produce them all at once, so no bucket
+    could overlap the backward pass (without buckets, `step` won for the
+    transformer under mirrored, 711 vs 545 examples/s, and was within this
+    machine's run-to-run noise for the mlp: 1557 vs 1528 in one run, 1320
+    vs 1580 in another);
+  - `optimizer` for bfloat16 on AMX CPUs, where XLA's dots bypass oneDNN's
+    AMX path (Keras fit measured 1868 vs 2877 examples/s with XLA on vs off
+    there).
 """
 
 from __future__ import annotations
@@ -46,15 +50,17 @@ STEP, OPTIMIZER, OFF = "step", "optimizer", "off"
 CONVOLUTION_SHARE = 0.5
 
 
-def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0) -> str:
+def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0,
+               buckets: bool = False) -> str:
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
-    for a model with `convolution_share` of its FLOPs in convolutions."""
+    for a model with `convolution_share` of its FLOPs in convolutions, with
+    bucketed reductions (`buckets`) or not."""
     if precision == "mixed_bfloat16" and hardware.bf16_support() == "AMX":
         return OPTIMIZER
     if precision != "float32":
         return STEP   # XLA's float32 dots and convolutions beat 16-bit kernels without AMX
-    if convolution_share > CONVOLUTION_SHARE or not whole_step:
+    if convolution_share > CONVOLUTION_SHARE or (buckets and not whole_step):
         return OPTIMIZER
     return STEP
 
@@ -66,14 +72,15 @@ def check(setting: str, strategy) -> None:
                          f"{strategy.supports_xla_reason}; use --jit_compile=off or auto")
 
 
-def resolve(setting: str, precision: str, strategy, convolution_share: float = 0.0) -> str:
+def resolve(setting: str, precision: str, strategy, convolution_share: float = 0.0,
+            buckets: bool = False) -> str:
     """The level for `--jit_compile=setting` under `strategy`."""
     check(setting, strategy)
     if not strategy.supports_xla or setting == "off":
         return OFF
     if setting == "on":
         return STEP
-    return auto_level(precision, strategy.xla_whole_step, convolution_share)
+    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets)
 
 
 def describe(setting: str, level: str) -> str:
