@@ -232,8 +232,9 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
     peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
     for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
         logging.info(line)
-    for line in slow_choice_warnings(config, jit_level, strategy, convolution_share):
-        logging.warning(line)
+    if strategy.is_chief:   # one line per run, not one per worker
+        for line in slow_choice_warnings(config, jit_level, strategy, convolution_share):
+            logging.warning(line)
     try:
         metrics = trainer.fit()
     except tf.errors.OpError as error:
