@@ -164,7 +164,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     model_dir: Optional[str] = None     # None: no checkpoints, no summary file
     seed: int = 42
-    # XLA for the replica step: on, off, or auto (by precision and CPU ISA).
+    # XLA for the replica step: on, off, or auto (by precision, engine, model
+    # and CPU ISA; tfdist/training/xla.py).
     jit_compile: str = "auto"
     # TensorBoard profiler trace of global steps [first, last] (inclusive); ().
     profile_steps: tuple = ()

@@ -15,7 +15,8 @@ from typing import Optional
 import tensorflow as tf
 from absl import logging
 
-# Progress-line keys -> (split, tag). Evaluation metrics drop their prefix.
+# Evaluation metrics in progress lines start with this; in TensorBoard they go
+# to the eval split under their name without it (test_loss -> eval/loss).
 _EVAL_PREFIX = "test_"
 
 
@@ -66,7 +67,7 @@ class Profiler:
     The trainer stops its in-graph loop just before `first` and at `last`
     (`boundaries`), so the trace covers exactly those steps; TensorBoard's
     profile tab reads it from `model_dir/tensorboard` (non-chief ranks, with
-    --profile_all_ranks, from `tensorboard/<rank name>`).
+    --profile_all_ranks, from `tensorboard/worker_<i>`).
     """
 
     def __init__(self, steps: tuple, log_dir: Optional[str], *, enabled: bool):
