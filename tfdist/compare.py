@@ -75,7 +75,24 @@ import time
 import numpy as np
 
 PROG = "tfdist-compare"
-STRATEGIES = ("mirrored", "multi_worker", "horovod")
+
+
+def _launch_workers(opts, argv: list) -> list:
+    return [_tool("tfdist-launch"), f"--workers={opts.workers}", "--", *argv]
+
+
+def _launch_horovod(opts, argv: list) -> list:
+    if importlib.util.find_spec("horovod") is None:
+        raise UsageError("--strategy=horovod: Horovod is not installed in this "
+                         "environment; build it with `make horovod`")
+    return [_tool("horovodrun"), "-np", str(opts.workers), "-H", f"localhost:{opts.workers}",
+            "--gloo", *argv]
+
+
+# The engines that can be compared, and how each starts its `--workers`
+# processes around a tfdist-train command (None: one process, local devices).
+LAUNCHERS = {"mirrored": None, "multi_worker": _launch_workers, "horovod": _launch_horovod}
+STRATEGIES = tuple(LAUNCHERS)
 DEFAULT_TOLERANCE = 0.1
 DEFAULT_WINDOW = 5
 DEFAULT_TIMEOUT_S = 900.0
@@ -252,9 +269,10 @@ def parse_args(argv: list) -> tuple:
     if opts.strategy not in STRATEGIES:
         raise UsageError(f"--strategy={opts.strategy!r} cannot be compared; valid: "
                          f"{', '.join(STRATEGIES)}")
-    if opts.workers is not None and opts.strategy == "mirrored":
-        raise UsageError(f"--workers={opts.workers} applies to multi_worker and horovod; "
-                         "mirrored uses the local devices (--virtual_devices after --)")
+    if opts.workers is not None and LAUNCHERS[opts.strategy] is None:
+        several = " and ".join(s for s, launch in LAUNCHERS.items() if launch)
+        raise UsageError(f"--workers={opts.workers} applies to {several}; {opts.strategy} uses "
+                         "the local devices (--virtual_devices after --)")
     opts.workers = 2 if opts.workers is None else opts.workers
     if opts.workers < 1:
         raise UsageError(f"--workers={opts.workers} must be at least 1")
@@ -298,14 +316,9 @@ def commands(opts, shared: list) -> dict:
 
     distributed = [train, *flags(opts.strategy, opts.grad_agreement_every),
                    *opts.distributed_flags]
-    if opts.strategy == "multi_worker":
-        distributed = [_tool("tfdist-launch"), f"--workers={opts.workers}", "--", *distributed]
-    elif opts.strategy == "horovod":
-        if importlib.util.find_spec("horovod") is None:
-            raise UsageError("--strategy=horovod: Horovod is not installed in this "
-                             "environment; build it with `make horovod`")
-        distributed = [_tool("horovodrun"), "-np", str(opts.workers), "-H",
-                       f"localhost:{opts.workers}", "--gloo", *distributed]
+    launch = LAUNCHERS[opts.strategy]
+    if launch is not None:
+        distributed = launch(opts, distributed)
     return {"default": [train, *flags("default", 0)], opts.strategy: distributed}
 
 
