@@ -221,3 +221,14 @@ class Clock:
 
     def minutes(self) -> str:
         return f"{(self._time() - self.started) / 60:.1f} min"
+
+
+def finish(name: str, title: str, description: str, rows: list, header: list,
+           clock: "Clock") -> None:
+    """A benchmark's end: the table on stdout, its report section (what was
+    measured, then the table) written and printed, and how long it took."""
+    print()
+    print(table(rows, header))
+    print()
+    print(write_section(name, title, f"{description}\n\n{markdown_table(rows, header)}"))
+    print(f"{name}: {clock.minutes()}")

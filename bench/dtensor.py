@@ -34,8 +34,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402
-    TRAIN, Clock, RunFailed, markdown_table, print_row, run_sizing, run_summary, table,
-    write_section)
+    TRAIN, Clock, finish, print_row, run_sizing, run_summary, RunFailed)
 from tfdist.observe import hardware  # noqa: E402
 
 MODELS = {
@@ -104,13 +103,8 @@ def main():
     body = (f"`--strategy=dtensor` on as many virtual CPUs as the mesh has devices (batch x "
             f"model), synthetic data, Adam, global batch {args.batch}; transformer width 256 "
             f"depth 2, mlp width 1024 depth 2; {how}, the first loop (compiling) not timed. "
-            "Ratios against 1x1; the virtual devices share this host's cores.\n\n"
-            + markdown_table(rows, HEADER))
-    print()
-    print(table(rows, HEADER))
-    print()
-    print(write_section("dtensor", "DTensor meshes (bench/dtensor.py)", body))
-    print(f"dtensor: {clock.minutes()}")
+            "Ratios against 1x1; the virtual devices share this host's cores.")
+    finish("dtensor", "DTensor meshes (bench/dtensor.py)", body, rows, HEADER, clock)
 
 
 if __name__ == "__main__":

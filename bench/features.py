@@ -42,8 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import (  # noqa: E402
-    LOOPS, MODELS, Clock, RunFailed, markdown_table, print_row, run_lines, sized_steps, table,
-    write_section)
+    LOOPS, MODELS, Clock, finish, print_row, run_lines, RunFailed, sized_steps)
 
 # The first variant of each group is the baseline; the baselines share one run.
 GROUPS = {
@@ -200,12 +199,8 @@ def main():
             "recompute); the first row of each group is the same run (float32, "
             "k=1, recompute off) and the ratios are against it. Extra peak MB: peak RSS above "
             "what the process held before `tfdist.train` (model, optimizer state, activations, "
-            "workspace).\n\n" + markdown_table(rows, HEADER))
-    print()
-    print(table(rows, HEADER))
-    print()
-    print(write_section("features", "Trainer features (bench/features.py)", body))
-    print(f"features: {clock.minutes()}")
+            "workspace).")
+    finish("features", "Trainer features (bench/features.py)", body, rows, HEADER, clock)
 
 
 if __name__ == "__main__":

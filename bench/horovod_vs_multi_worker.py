@@ -28,8 +28,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    HOROVODRUN, LAUNCH, MODELS, REPO, TRAIN, Clock, RunFailed, markdown_table, print_row,
-    run_sizing, run_summary, table, write_section)
+    HOROVODRUN, LAUNCH, MODELS, REPO, TRAIN, Clock, finish, print_row, run_sizing, run_summary,
+    RunFailed, write_section)
 
 NAME = "horovod_vs_multi_worker"
 TITLE = "Horovod vs multi_worker (bench/horovod_vs_multi_worker.py)"
@@ -93,12 +93,8 @@ def main():
            "timed loops")
     body = (f"2 processes on one host (tfdist-launch for multi_worker, `horovodrun --gloo` for "
             f"horovod), synthetic data, global batch {args.global_batch}; {how}, the first "
-            "loop (compiling) not timed.\n\n" + markdown_table(rows, HEADER))
-    print()
-    print(table(rows, HEADER))
-    print()
-    print(write_section(NAME, TITLE, body))
-    print(f"{NAME}: {clock.minutes()}")
+            "loop (compiling) not timed.")
+    finish(NAME, TITLE, body, rows, HEADER, clock)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    LAUNCH, MODELS, TRAIN, Clock, RunFailed, markdown_table, print_row, run_sizing, run_summary,
-    table, write_section)
+    LAUNCH, MODELS, TRAIN, Clock, finish, print_row, run_sizing, run_summary, RunFailed)
 
 # (label, workers, extra tfdist-train flags); ratios are against the first.
 VARIANTS = [
@@ -92,12 +91,8 @@ def main():
             f"per-worker batch {args.per_worker_batch} (global = per-worker x workers); "
             f"{how}, the first loop (compiling) not timed. `per worker vs 1st`: per-worker "
             "examples/sec against the first variant (1.0 = perfect weak scaling; workers "
-            "share this host's cores).\n\n" + markdown_table(rows, HEADER))
-    print()
-    print(table(rows, HEADER))
-    print()
-    print(write_section("scaling", "Multi-worker scaling (bench/scaling.py)", body))
-    print(f"scaling: {clock.minutes()}")
+            "share this host's cores).")
+    finish("scaling", "Multi-worker scaling (bench/scaling.py)", body, rows, HEADER, clock)
 
 
 if __name__ == "__main__":
