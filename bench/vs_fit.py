@@ -205,7 +205,9 @@ def child(model, precision, strategy_name, seconds):
     train("tfdist XLA", "on")
     from tfdist.training import xla
     share = flops.convolution_share(flops.forward_flops_by_op(model_fn(spec)))
-    level = xla.auto_level(precision, strategy_name == "default", share)
+    from tfdist import strategies
+    whole_step = strategies.create(StrategyConfig(name=strategy_name)).xla_whole_step
+    level = xla.auto_level(precision, whole_step, share)
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only

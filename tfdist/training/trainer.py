@@ -10,6 +10,7 @@ Everything engine-specific goes through the strategy adapter's hooks.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -20,6 +21,7 @@ from tfdist.checkpointing import Checkpointer
 from tfdist.data import inputs as inputs_lib
 from tfdist.observe import flops as flops_lib
 from tfdist.observe.progress import Progress
+from tfdist.observe import tensorboard
 from tfdist.observe.tensorboard import Profiler, TensorBoard
 from tfdist.strategies.base import Strategy
 from tfdist.errors import UsageError
@@ -98,18 +100,13 @@ class Trainer:
             xla.fuse_optimizer_update(optimizer)
         elif jit_level == xla.OPTIMIZER:
             xla.fuse_optimizer_update(optimizer)
-        model_dir = tc.model_dir
-        logs_here = strategy.is_chief or tc.log_all_ranks
-        self.tensorboard = TensorBoard(model_dir, enabled=strategy.is_chief)
-        profile_dir = None
-        if model_dir:
-            from tfdist.observe import tensorboard
-            profile_dir = tensorboard.directory(model_dir)
-            if not strategy.is_chief:
-                profile_dir = f"{profile_dir}/worker_{strategy.worker_index}"
+        self.tensorboard = TensorBoard(tc.model_dir, enabled=strategy.is_chief)
+        profile_dir = tc.model_dir and tensorboard.directory(tc.model_dir)
+        if profile_dir and not strategy.is_chief:
+            profile_dir = os.path.join(profile_dir, f"worker_{strategy.worker_index}")
         self.profiler = Profiler(tc.profile_steps, profile_dir,
                                  enabled=strategy.is_chief or tc.profile_all_ranks)
-        self._logs_here = logs_here
+        self._logs_here = strategy.is_chief or tc.log_all_ranks
         self.grad_agreement: dict = {}
         self._train_loop = strategy.function(self._train_loop_fn)
         self._eval_loop = strategy.function(self._eval_loop_fn)
