@@ -21,6 +21,8 @@ from absl import logging
 from tfdist import models, sharding, strategies
 from tfdist.checkpointing import Checkpointer, checkpoint_dir
 from tfdist.config import RunConfig
+from tfdist import export as export_lib
+from tfdist.data import inputs as inputs_lib
 from tfdist.data import tfds_inputs
 from tfdist.data.function_inputs import DatasetFn, FunctionInputs
 from tfdist.data.spec import DatasetSpec
@@ -28,6 +30,7 @@ from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import flops, hardware, logs, peak
 from tfdist.training import optimizers, xla
 from tfdist.training.precision import Precision
+from tfdist.training.task import Task, cli_loss, cli_metric
 from tfdist.training.trainer import Trainer, total_steps
 
 
@@ -113,6 +116,7 @@ def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[st
         f"replica(s) x {per_replica}{micro}; {trainer.total_steps} steps",
         f"learning rate: peak {peak_lr:g} ({oc.lr_scaling} scaling of {oc.learning_rate:g} "
         f"from batch {oc.base_batch_size}), {oc.warmup_steps} warm-up steps, {oc.lr_decay}",
+        trainer.task.describe(),
         xla.describe(tc.jit_compile, trainer.jit_level),
     ]
     if trainer.flops_per_example:
@@ -129,28 +133,67 @@ def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[st
 
 def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras.Model]] = None,
           dataset_fn: Optional[DatasetFn] = None,
-          spec: Optional[DatasetSpec] = None, layout_rules=None) -> RunResult:
+          spec: Optional[DatasetSpec] = None, layout_rules=None, loss=None, metrics=None,
+          export_dir: Optional[str] = None) -> RunResult:
     """Train under `config.strategy`; return the run summary and the model.
 
     model_fn: builds a Keras 3 model from the dataset's `DatasetSpec`
-      (default: the registered builder `config.model.name`).
-    dataset_fn: `dataset_fn(split, input_context)` returning unbatched (x, y)
-      examples of "train" or "test" for one input pipeline (default: the TFDS
+      (default: the registered builder `config.model.name`). It runs in the
+      engine's scope; it may `model.compile(loss=, metrics=)` to supply those.
+    dataset_fn: `dataset_fn(split, input_context)` returning unbatched
+      (x, y) or (x, y, sample_weight) examples of "train" or "test" for one
+      input pipeline; x may be a dict of named features (default: the TFDS
       dataset `config.data.dataset`). `spec` describes it if the model needs it.
     layout_rules: `--strategy=dtensor` only: [(regex over variable path,
       sharding spec)], e.g. [(r"dense/kernel$", (None, "model"))]; default: the
       registered builder's rules (none, i.e. replicated, for your own model_fn).
+    loss: a Keras 3 loss (object or name) or a callable (y_true, y_pred) ->
+      per-example (or per-position) loss; default: the compiled model's, else
+      `config.train.loss` on logits.
+    metrics: Keras 3 metrics (objects or names); default: the compiled
+      model's, else `config.train.metrics` (with the config's loss).
+    export_dir: after training the chief writes model.keras and a SavedModel
+      here (default `config.train.export_dir`; see `tfdist.export`).
     """
     strategies.check_name(config.strategy.name)
     if model_fn is None:
         models.check_name(config.model.name)
+    if export_dir is not None:
+        config = config.replace(train=dataclasses.replace(config.train, export_dir=export_dir))
     strategy = strategies.create(config.strategy)
     strategy.setup()
     logs.configure(strategy, log_all_ranks=config.train.log_all_ranks)
     try:
-        return _train(config, strategy, model_fn, dataset_fn, spec, layout_rules)
+        return _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss, metrics)
     finally:
         strategy.close()
+
+
+def _task(config: RunConfig, model, inputs, loss, metrics) -> Task:
+    """The loss and metrics, checked against the data and the model's outputs."""
+    tc = config.train
+    if loss is None and getattr(model, "_compile_config", None) is None:
+        loss = cli_loss(tc.loss, tc.label_smoothing)
+        if metrics is None:
+            metrics = [cli_metric(name) for name in tc.metrics]
+    task = Task.resolve(loss, metrics, model)
+    element = inputs_lib.with_weights(
+        inputs.examples("train", tf.distribute.InputContext())).element_spec
+    x_spec, y_spec, w_spec = (tf.nest.map_structure(
+        lambda s: tf.TensorSpec([None, *s.shape], s.dtype), part) for part in element)
+    try:
+        output = model.compute_output_spec(tf.nest.map_structure(
+            lambda s: keras.KerasTensor(s.shape, s.dtype), x_spec))
+    except Exception as error:  # noqa: BLE001  (a model that does not take these inputs)
+        raise UsageError(f"model {model.name} does not take the dataset's inputs {x_spec}: "
+                         f"{str(error).strip().splitlines()[0] if str(error).strip() else error}"
+                         ) from None
+    if isinstance(output, (list, tuple, dict)) and not isinstance(y_spec, type(output)):
+        raise UsageError(f"model {model.name} has several outputs but the targets are "
+                         f"{y_spec}; give one target per output")
+    pred_spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), output)
+    task.build(y_spec, pred_spec, w_spec, global_batch_size=tc.global_batch_size)
+    return task
 
 
 def _build(config, strategy, model_fn, inputs, steps, layout_rules):
@@ -178,6 +221,28 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     return model, optimizer
 
 
+def _inputs(config: RunConfig, dataset_fn, spec):
+    if dataset_fn:
+        return FunctionInputs(dataset_fn, spec)
+    return tfds_inputs.load(config.data, model_dir=config.train.model_dir)
+
+
+def _metric_keys(metrics: dict) -> list:
+    """Metric names among a trainer's train metrics (not the loss or rates)."""
+    own = {"loss", "examples_per_sec", "tflops", "mfu", "learning_rate", "grad_norm",
+           "loss_scale"}
+    return [k for k in metrics if k not in own and not k.startswith("test_")
+            and k != "steps" and not k.startswith("grad_agreement")]
+
+
+def _serving_model(config: RunConfig, model_fn, spec) -> keras.Model:
+    """A fresh copy of the model outside any engine, under the run's precision
+    policy, for export (its weights are then set from the trained model)."""
+    precision = Precision(config.train.precision)
+    with precision.policy_scope():
+        return model_fn(spec) if model_fn else models.build(config.model, spec)
+
+
 def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
                      layout_rules=None) -> str:
     """`--print_layouts`: each variable's path, global shape, spec and per-device
@@ -189,14 +254,15 @@ def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=
                          f"{config.strategy.name} does not shard tensors (use dtensor)")
     strategy.setup()
     try:
-        inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
+        inputs = _inputs(config, dataset_fn, spec)
         model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
         return strategy.layout_report(model, optimizer)
     finally:
         strategy.close()
 
 
-def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunResult:
+def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
+           metrics) -> RunResult:
     tc = config.train
     strategy.check_config(config)
     check_batch(config, strategy.num_replicas)
@@ -206,11 +272,15 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
                          "trace into model_dir/tensorboard; set --model_dir")
     if strategy.is_chief:
         check_model_dir(tc.model_dir)
-    inputs = FunctionInputs(dataset_fn, spec) if dataset_fn else tfds_inputs.load(config.data)
+    inputs = _inputs(config, dataset_fn, spec)
     inputs.check_sharding(strategy.num_input_pipelines)
 
     steps = total_steps(tc, inputs.spec)
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
+    task = _task(config, model, inputs, loss, metrics)
+    if strategy.is_chief and tc.model_dir:
+        export_lib.write_run_record(tc.model_dir, config, inputs.spec,
+                                    builder=model_fn is None)
 
     checkpointer_factory = None
     if tc.model_dir:
@@ -228,7 +298,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,
                       inputs=inputs, total_steps=steps, checkpointer_factory=checkpointer_factory,
                       jit_level=jit_level, flops_per_example=flops_per_example,
-                      peak_tflops=peak_tflops)
+                      peak_tflops=peak_tflops, task=task)
     peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
     for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
         logging.info(line)
@@ -247,9 +317,9 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
         "model": model.name,
         "dataset": inputs.spec.name,
         "steps": metrics["steps"],
+        "loss_function": task.loss_name,
+        "metrics": task.metric_names,
         "loss": metrics.get("loss"),
-        "train_accuracy": metrics.get("accuracy"),
-        "accuracy": metrics.get("test_accuracy"),
         "test_loss": metrics.get("test_loss"),
         "examples_per_sec": metrics.get("examples_per_sec"),
         "tflops": metrics.get("tflops"),
@@ -269,6 +339,17 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules) -> RunRes
         "cpu": hardware.cpu_model(),
         **strategy.summary_fields(model, optimizer),
     }
+    # Each metric: its last training value as train_NAME, its test value as
+    # NAME (None without evaluation), e.g. train_accuracy and accuracy.
+    for name in _metric_keys(metrics):
+        key = name if name not in summary else f"metric_{name}"
+        summary[f"train_{name}"] = metrics.get(name)
+        summary[key] = metrics.get(f"test_{name}")
+    if strategy.is_chief and tc.export_dir:
+        paths = export_lib.export_model(
+            model, tc.export_dir, strategy=strategy,
+            rebuild=lambda: _serving_model(config, model_fn, inputs.spec))
+        summary["export"] = paths
     if strategy.is_chief and tc.model_dir:
         write_summary(tc.model_dir, summary)
     return RunResult(summary=summary, model=model, optimizer=optimizer,

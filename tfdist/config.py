@@ -22,6 +22,11 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 LR_SCALING = ("none", "linear", "sqrt")
 LR_DECAY = ("constant", "cosine")
 JIT_COMPILE = ("auto", "on", "off")
+# Losses and metrics by name for models that end in logits over classes (the
+# bundled builders; `tfdist.train` also takes any Keras loss and metrics).
+LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy",
+          "categorical_focal_crossentropy")
+METRICS = ("accuracy", "top5_accuracy", "crossentropy")
 
 
 def _one_of(name: str, value, valid) -> None:
@@ -104,10 +109,21 @@ class DataConfig:
     # off: each reads everything (differently shuffled); auto: file if the
     # split has enough files, else data.
     autoshard: str = "auto"
+    # Images: resize to image_size x image_size (None: as stored; needed for
+    # datasets whose images differ in size).
+    image_size: Optional[int] = None
+    # Text: a TextVectorization vocabulary of at most vocab_size tokens,
+    # adapted on the train split (cached in model_dir), and token sequences
+    # padded or cut to sequence_length.
+    vocab_size: int = 20_000
+    sequence_length: int = 256
 
     def __post_init__(self):
         if not self.dataset:
             raise ConfigError("dataset='' must name a TFDS dataset, e.g. tfdist_shapes")
+        _positive("image_size", self.image_size, allow_none=True)
+        _positive("vocab_size", self.vocab_size)
+        _positive("sequence_length", self.sequence_length)
         if self.autoshard not in AUTOSHARD:
             raise ConfigError(f"autoshard={self.autoshard!r} is not known; valid: "
                               f"{', '.join(AUTOSHARD)}")
@@ -163,7 +179,15 @@ class TrainConfig:
     checkpoint_every: int = 0           # steps between checkpoints; 0: only at the end
     keep_checkpoints: int = 3
     model_dir: Optional[str] = None     # None: no checkpoints, no summary file
+    # After training the chief writes model.keras and a SavedModel here.
+    export_dir: Optional[str] = None
     seed: int = 42
+    # The loss and metrics by name, for models ending in class logits (the
+    # bundled builders); `tfdist.train(loss=, metrics=)` or a compiled model
+    # take precedence.
+    loss: str = "sparse_categorical_crossentropy"
+    metrics: tuple = ("accuracy",)
+    label_smoothing: float = 0.0        # categorical losses only
     # XLA for the replica step: on, off, or auto (by precision, engine, model
     # and CPU ISA; tfdist/training/xla.py).
     jit_compile: str = "auto"
@@ -196,6 +220,15 @@ class TrainConfig:
         _non_negative("checkpoint_every", self.checkpoint_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
         _non_negative("seed", self.seed)
+        _one_of("loss", self.loss, LOSSES)
+        for metric in self.metrics:
+            _one_of("metrics", metric, METRICS)
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing={self.label_smoothing!r} must be in [0, 1)")
+        if self.label_smoothing and self.loss == "sparse_categorical_crossentropy":
+            raise ConfigError(f"label_smoothing={self.label_smoothing!r} needs "
+                              "loss=categorical_crossentropy or categorical_focal_crossentropy "
+                              "(Keras's sparse loss has no label smoothing)")
         _one_of("jit_compile", self.jit_compile, JIT_COMPILE)
         if self.profile_steps:
             steps = tuple(self.profile_steps)

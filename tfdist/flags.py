@@ -1,27 +1,59 @@
 """The only module that defines or reads absl flags: flags -> `RunConfig`.
 
-Defaults are the main job (`make demo`): the bundled image dataset, the cnn
-builder, `mirrored` over 2 virtual CPU devices. Canned runs are flagfiles in
-`configs/` (`--flagfile=configs/NAME.cfg`); flags after it override it.
+Every default comes from the `RunConfig` dataclasses (one source of truth for
+the CLI and the Python API), with one exception: `--virtual_devices` is 2, so
+`tfdist-train` on a CPU-only host runs 2 replicas, where the API's None leaves
+the devices of a process that may already have started TensorFlow alone.
+The main job's choices live in `configs/demo.cfg`; canned runs are flagfiles
+in `configs/` (`--flagfile=configs/NAME.cfg`); flags after it override it.
+
+A script of your own imports this module (`from tfdist import flags`), defines
+its own flags beside these and calls `flags.run_config()` after absl parsed
+the command line. A flag name defined twice (yours and tfdist's) ends the
+program with one line naming it, exit status 2.
 """
 
 from __future__ import annotations
+
+import sys
 
 from absl import flags
 
 from tfdist import config as config_lib
 from tfdist.errors import UsageError
 
+# The API's defaults, which the flags take.
+_RUN = config_lib.RunConfig()
+_STRATEGY_DEFAULTS, _MODEL_DEFAULTS, _DATA_DEFAULTS = _RUN.strategy, _RUN.model, _RUN.data
+_OPTIMIZER_DEFAULTS, _TRAIN_DEFAULTS = _RUN.optimizer, _RUN.train
+CLI_VIRTUAL_DEVICES = 2   # the documented exception (see above)
+
+
+def _clash_hook(previous):
+    """sys.excepthook: a flag defined by both tfdist and the user's script is
+    reported in one line (absl raises DuplicateFlagError at import time)."""
+
+    def hook(kind, error, traceback):
+        if issubclass(kind, flags.DuplicateFlagError):
+            print(f"error: {str(error).splitlines()[0]} tfdist defines the flags listed in "
+                  "its README (flag reference); rename your flag.", file=sys.stderr)
+            sys.exit(2)
+        previous(kind, error, traceback)
+    return hook
+
+
+sys.excepthook = _clash_hook(sys.excepthook)
+
 # Registry names are listed in help text but checked after parsing (by the
 # registries themselves), so the flags module never imports TensorFlow.
 _STRATEGY = flags.DEFINE_string(
-    "strategy", "mirrored",
+    "strategy", _STRATEGY_DEFAULTS.name,
     "Scale-out engine: default (one device), mirrored (all local devices), multi_worker "
     "(MultiWorkerMirroredStrategy over TF_CONFIG / --worker_hosts / Slurm), horovod "
     "(Horovod ranks under horovodrun; `make horovod` builds it), dtensor (tensor sharding "
     "over --mesh).")
 _VIRTUAL_DEVICES = flags.DEFINE_integer(
-    "virtual_devices", 2,
+    "virtual_devices", CLI_VIRTUAL_DEVICES,
     "On a host without GPUs, split the CPU into this many logical devices so "
     "multi-device strategies run for real; 0 leaves the devices as they are.", lower_bound=0)
 
@@ -31,21 +63,21 @@ _WORKER_HOSTS = flags.DEFINE_list(
 _TASK_INDEX = flags.DEFINE_integer(
     "task_index", None, "multi_worker: this host's index in --worker_hosts.", lower_bound=0)
 _COLLECTIVE = flags.DEFINE_enum(
-    "collective", "auto", list(config_lib.COLLECTIVES),
+    "collective", _STRATEGY_DEFAULTS.collective, list(config_lib.COLLECTIVES),
     "multi_worker collective implementation (CommunicationOptions).")
 _COLLECTIVE_TIMEOUT_S = flags.DEFINE_float(
-    "collective_timeout_s", 60.0, "multi_worker: a collective that has not completed in this "
+    "collective_timeout_s", _STRATEGY_DEFAULTS.collective_timeout_s, "multi_worker: a collective that has not completed in this "
     "many seconds (e.g. a dead or never-started peer) fails the run.", lower_bound=1.0)
 _BYTES_PER_PACK = flags.DEFINE_integer(
-    "bytes_per_pack", 0, "multi_worker: pack gradients into all-reduces of about this many "
+    "bytes_per_pack", _STRATEGY_DEFAULTS.bytes_per_pack, "multi_worker: pack gradients into all-reduces of about this many "
     "bytes (0: TensorFlow's default).", lower_bound=0)
 
 _MESH = flags.DEFINE_string(
-    "mesh", config_lib.StrategyConfig.mesh,
+    "mesh", _STRATEGY_DEFAULTS.mesh,
     "dtensor: the device mesh, batch:B,model:M (B-way data parallel x M-way tensor "
     "sharding; B*M devices, e.g. --virtual_devices=B*M on a CPU host).")
 _SHARD_OPTIMIZER_STATE = flags.DEFINE_boolean(
-    "shard_optimizer_state", False,
+    "shard_optimizer_state", _STRATEGY_DEFAULTS.shard_optimizer_state,
     "dtensor: also split optimizer slots over the batch axis (ZeRO-1), so per-device "
     "optimizer memory falls with the whole mesh.")
 _PRINT_LAYOUTS = flags.DEFINE_boolean(
@@ -53,89 +85,89 @@ _PRINT_LAYOUTS = flags.DEFINE_boolean(
     "dtensor: print every variable's path, global shape, sharding spec and per-device "
     "bytes (and the per-device totals) for --model and --mesh, then exit.")
 
-_MODEL = flags.DEFINE_string("model", "cnn", "Model builder: mlp, cnn, transformer.")
+_MODEL = flags.DEFINE_string("model", _MODEL_DEFAULTS.name, "Model builder: mlp, cnn, transformer.")
 _MODEL_WIDTH = flags.DEFINE_integer(
-    "model_width", 32, "Hidden units (mlp), base channels (cnn), model dim (transformer).", lower_bound=1)
+    "model_width", _MODEL_DEFAULTS.width, "Hidden units (mlp), base channels (cnn), model dim (transformer).", lower_bound=1)
 _MODEL_DEPTH = flags.DEFINE_integer(
-    "model_depth", 2, "Hidden layers (mlp), residual blocks per stage (cnn), blocks (transformer).", lower_bound=1)
-_NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads (transformer).", lower_bound=1)
+    "model_depth", _MODEL_DEFAULTS.depth, "Hidden layers (mlp), residual blocks per stage (cnn), blocks (transformer).", lower_bound=1)
+_NUM_HEADS = flags.DEFINE_integer("num_heads", _MODEL_DEFAULTS.num_heads, "Attention heads (transformer).", lower_bound=1)
 
 _DATASET = flags.DEFINE_string(
-    "dataset", "tfdist_shapes",
+    "dataset", _DATA_DEFAULTS.dataset,
     "TFDS dataset name: the bundled tfdist_shapes (images) or tfdist_tokens "
     "(token sequences), prepared offline on first use, or any TFDS dataset "
     "prepared in --data_dir.")
 _DATA_DIR = flags.DEFINE_string(
-    "data_dir", None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets).")
+    "data_dir", _DATA_DEFAULTS.data_dir, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets).")
 _SYNTHETIC = flags.DEFINE_boolean(
-    "synthetic", False, "Feed random tensors of the dataset's shapes (benchmarking; no eval).")
+    "synthetic", _DATA_DEFAULTS.synthetic, "Feed random tensors of the dataset's shapes (benchmarking; no eval).")
 _AUTOSHARD = flags.DEFINE_enum(
-    "autoshard", "auto", list(config_lib.AUTOSHARD),
+    "autoshard", _DATA_DEFAULTS.autoshard, list(config_lib.AUTOSHARD),
     "How training input is split across workers: file (each reads its own files), data "
     "(each reads its own examples), off (each reads all, shuffled differently), auto (file "
     "when the split has enough files, else data).")
-_SHUFFLE_BUFFER = flags.DEFINE_integer("shuffle_buffer", 10_000, "Examples in the shuffle buffer.", lower_bound=1)
+_SHUFFLE_BUFFER = flags.DEFINE_integer("shuffle_buffer", _DATA_DEFAULTS.shuffle_buffer, "Examples in the shuffle buffer.", lower_bound=1)
 
 _GLOBAL_BATCH_SIZE = flags.DEFINE_integer(
-    "global_batch_size", 128, "Examples per update over all replicas (split evenly between them).", lower_bound=1)
+    "global_batch_size", _TRAIN_DEFAULTS.global_batch_size, "Examples per update over all replicas (split evenly between them).", lower_bound=1)
 _TRAIN_STEPS = flags.DEFINE_integer(
-    "train_steps", None, "Updates to train for (the final global step). Default: 600 if "
-    "--epochs is unset.", lower_bound=1)
+    "train_steps", None, "Updates to train for (the final global step). Default: "
+    f"{_TRAIN_DEFAULTS.train_steps} if --epochs is unset.", lower_bound=1)
 _EPOCHS = flags.DEFINE_integer("epochs", None, "Epochs to train for (instead of --train_steps).", lower_bound=1)
 _STEPS_PER_LOOP = flags.DEFINE_integer(
-    "steps_per_loop", 100, "Steps run inside one tf.function call between host syncs.", lower_bound=1)
+    "steps_per_loop", _TRAIN_DEFAULTS.steps_per_loop, "Steps run inside one tf.function call between host syncs.", lower_bound=1)
 _ACCUM_STEPS = flags.DEFINE_integer(
-    "accum_steps", 1, "Micro-batches per update (gradient accumulation); gradients are reduced "
+    "accum_steps", _TRAIN_DEFAULTS.accum_steps, "Micro-batches per update (gradient accumulation); gradients are reduced "
     "across replicas once per update.", lower_bound=1)
 _GRAD_COMPRESSION = flags.DEFINE_enum(
-    "grad_compression", "none", list(config_lib.GRAD_COMPRESSION),
+    "grad_compression", _TRAIN_DEFAULTS.grad_compression, list(config_lib.GRAD_COMPRESSION),
     "Cast gradients to this dtype for the cross-replica sum (halves the bytes reduced), "
     "back to the variables' dtype after; every strategy.")
 _EVAL_EVERY = flags.DEFINE_integer(
-    "eval_every", 0, "Evaluate on the test split every N steps (0: only at the end).", lower_bound=0)
+    "eval_every", _TRAIN_DEFAULTS.eval_every, "Evaluate on the test split every N steps (0: only at the end).", lower_bound=0)
 _REDUCE_BUCKET_MB = flags.DEFINE_float(
-    "reduce_bucket_mb", 0.0, "Reduce gradients across replicas in buckets of about this many "
+    "reduce_bucket_mb", _TRAIN_DEFAULTS.reduce_bucket_mb, "Reduce gradients across replicas in buckets of about this many "
     "MB, each issued as soon as the backward pass has produced it, so communication overlaps "
     "computation (DDP's buckets, Horovod's tensor fusion); 0: one reduction after the whole "
     "backward pass. Not with --accum_steps > 1 (its one reduction follows the last "
     "micro-batch anyway).", lower_bound=0.0)
 _LOG_EVERY = flags.DEFINE_integer(
-    "log_every", 0, "Log a progress line every N steps (0: after every loop).", lower_bound=0)
+    "log_every", _TRAIN_DEFAULTS.log_every, "Log a progress line every N steps (0: after every loop).", lower_bound=0)
 
 _OPTIMIZER = flags.DEFINE_enum(
-    "optimizer", "adam", list(config_lib.OPTIMIZERS), "Optimizer.")
-_LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Learning rate.", lower_bound=0.0)
-_MOMENTUM = flags.DEFINE_float("momentum", 0.9, "Momentum (optimizer=momentum).")
-_WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 1e-4, "Weight decay (optimizer=adamw).")
+    "optimizer", _OPTIMIZER_DEFAULTS.name, list(config_lib.OPTIMIZERS), "Optimizer.")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", _OPTIMIZER_DEFAULTS.learning_rate, "Learning rate.", lower_bound=0.0)
+_MOMENTUM = flags.DEFINE_float("momentum", _OPTIMIZER_DEFAULTS.momentum, "Momentum (optimizer=momentum).")
+_WEIGHT_DECAY = flags.DEFINE_float("weight_decay", _OPTIMIZER_DEFAULTS.weight_decay, "Weight decay (optimizer=adamw).")
 
 _LR_SCALING = flags.DEFINE_enum(
-    "lr_scaling", "none", list(config_lib.LR_SCALING),
+    "lr_scaling", _OPTIMIZER_DEFAULTS.lr_scaling, list(config_lib.LR_SCALING),
     "Scale --learning_rate (tuned at --base_batch_size) to the global batch: linear "
     "(lr x global/base) or sqrt (lr x sqrt(global/base)).")
 _BASE_BATCH_SIZE = flags.DEFINE_integer(
-    "base_batch_size", 128, "The batch size --learning_rate was tuned for (--lr_scaling).",
+    "base_batch_size", _OPTIMIZER_DEFAULTS.base_batch_size, "The batch size --learning_rate was tuned for (--lr_scaling).",
     lower_bound=1)
 _WARMUP_STEPS = flags.DEFINE_integer(
-    "warmup_steps", 0, "Linear learning-rate warm-up from 0 over this many steps.", lower_bound=0)
+    "warmup_steps", _OPTIMIZER_DEFAULTS.warmup_steps, "Linear learning-rate warm-up from 0 over this many steps.", lower_bound=0)
 _LR_DECAY = flags.DEFINE_enum(
-    "lr_decay", "constant", list(config_lib.LR_DECAY),
+    "lr_decay", _OPTIMIZER_DEFAULTS.lr_decay, list(config_lib.LR_DECAY),
     "After warm-up: constant, or cosine decay to 0 at the last step.")
 _CLIP_GRAD_NORM = flags.DEFINE_float(
-    "clip_grad_norm", None, "Clip the global norm of the (cross-replica summed) gradient.",
+    "clip_grad_norm", _OPTIMIZER_DEFAULTS.clip_grad_norm, "Clip the global norm of the (cross-replica summed) gradient.",
     lower_bound=0.0)
 _PRECISION = flags.DEFINE_enum(
-    "precision", "float32", list(config_lib.PRECISIONS),
+    "precision", _TRAIN_DEFAULTS.precision, list(config_lib.PRECISIONS),
     "Keras dtype policy: float32, mixed_bfloat16, or mixed_float16 (with dynamic loss "
     "scaling). Logits and loss stay float32.")
 _LOSS_SCALE_GROWTH_STEPS = flags.DEFINE_integer(
-    "loss_scale_growth_steps", 2000, "mixed_float16: finite steps before the loss scale "
+    "loss_scale_growth_steps", _TRAIN_DEFAULTS.loss_scale_growth_steps, "mixed_float16: finite steps before the loss scale "
     "doubles (a non-finite step halves it and is skipped).", lower_bound=1)
 _RECOMPUTE = flags.DEFINE_boolean(
-    "recompute", False, "Gradient checkpointing: recompute the activations of each block "
+    "recompute", _MODEL_DEFAULTS.recompute, "Gradient checkpointing: recompute the activations of each block "
     "(cnn, transformer) in the backward pass instead of keeping them.")
 
 _JIT_COMPILE = flags.DEFINE_enum(
-    "jit_compile", "auto", list(config_lib.JIT_COMPILE),
+    "jit_compile", _TRAIN_DEFAULTS.jit_compile, list(config_lib.JIT_COMPILE),
     "XLA for the replica step: on (forward, backward and the fused optimizer update; the "
     "cross-replica sum stays outside XLA), off, or auto (picked by --precision and the "
     "CPU's ISA; the start-up log says what it chose).")
@@ -143,25 +175,49 @@ _PROFILE_STEPS = flags.DEFINE_list(
     "profile_steps", [], "Capture a TensorFlow profiler trace of global steps A,B (inclusive) "
     "into model_dir/tensorboard (TensorBoard's profile tab); needs --model_dir.")
 _PROFILE_ALL_RANKS = flags.DEFINE_boolean(
-    "profile_all_ranks", False, "--profile_steps on every worker/rank (each in its own "
+    "profile_all_ranks", _TRAIN_DEFAULTS.profile_all_ranks, "--profile_steps on every worker/rank (each in its own "
     "directory), not only the chief.")
 _LOG_ALL_RANKS = flags.DEFINE_boolean(
-    "log_all_ranks", False, "Progress lines from every worker/rank; by default only the chief "
+    "log_all_ranks", _TRAIN_DEFAULTS.log_all_ranks, "Progress lines from every worker/rank; by default only the chief "
     "logs progress (warnings and errors show from every rank).")
 _GRAD_AGREEMENT_EVERY = flags.DEFINE_integer(
-    "grad_agreement_every", 0, "Every N steps, measure the cosine similarity of each "
+    "grad_agreement_every", _TRAIN_DEFAULTS.grad_agreement_every, "Every N steps, measure the cosine similarity of each "
     "replica's gradient with the cross-replica mean (data-parallel engines; TensorBoard "
     "and summary); 0: never.", lower_bound=0)
 
+_LOSS = flags.DEFINE_enum(
+    "loss", _TRAIN_DEFAULTS.loss, list(config_lib.LOSSES),
+    "Loss on the model's logits and the dataset's class labels (your own Keras loss: "
+    "tfdist.train(loss=...)).")
+_METRICS = flags.DEFINE_list(
+    "metrics", list(_TRAIN_DEFAULTS.metrics), "Metrics reported in progress lines, the "
+    f"summary and TensorBoard: any of {', '.join(config_lib.METRICS)} (your own: "
+    "tfdist.train(metrics=...)).")
+_LABEL_SMOOTHING = flags.DEFINE_float(
+    "label_smoothing", _TRAIN_DEFAULTS.label_smoothing,
+    "Label smoothing of the categorical losses.", lower_bound=0.0, upper_bound=0.999)
+_EXPORT_DIR = flags.DEFINE_string(
+    "export_dir", _TRAIN_DEFAULTS.export_dir, "After training, the chief writes model.keras "
+    "and a SavedModel with a serving signature (saved_model/) here.")
+_IMAGE_SIZE = flags.DEFINE_integer(
+    "image_size", _DATA_DEFAULTS.image_size, "Resize a TFDS image dataset's images to this "
+    "height and width (needed when they differ in size).", lower_bound=1)
+_VOCAB_SIZE = flags.DEFINE_integer(
+    "vocab_size", _DATA_DEFAULTS.vocab_size, "Text datasets: the most tokens kept by the "
+    "TextVectorization vocabulary adapted on the train split.", lower_bound=2)
+_SEQUENCE_LENGTH = flags.DEFINE_integer(
+    "sequence_length", _DATA_DEFAULTS.sequence_length, "Text datasets: tokens per "
+    "example (padded or cut).", lower_bound=1)
+
 _MODEL_DIR = flags.DEFINE_string(
-    "model_dir", None, "Directory for checkpoints and summary.json; a run resumes from its "
+    "model_dir", _TRAIN_DEFAULTS.model_dir, "Directory for checkpoints and summary.json; a run resumes from its "
     "latest checkpoint. Default: none (nothing written).")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
-    "checkpoint_every", 0, "Save a checkpoint every N steps (0: only at the end).", lower_bound=0)
-_KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.", lower_bound=1)
-_SEED = flags.DEFINE_integer("seed", 42, "Seed for weights, shuffling and synthetic data.", lower_bound=0)
+    "checkpoint_every", _TRAIN_DEFAULTS.checkpoint_every, "Save a checkpoint every N steps (0: only at the end).", lower_bound=0)
+_KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", _TRAIN_DEFAULTS.keep_checkpoints, "Checkpoints to keep.", lower_bound=1)
+_SEED = flags.DEFINE_integer("seed", _TRAIN_DEFAULTS.seed, "Seed for weights, shuffling and synthetic data.", lower_bound=0)
 
-_DEFAULT_TRAIN_STEPS = 600
+_DEFAULT_TRAIN_STEPS = _TRAIN_DEFAULTS.train_steps
 
 
 @flags.multi_flags_validator(
@@ -196,7 +252,9 @@ def run_config() -> config_lib.RunConfig:
                 num_heads=_NUM_HEADS.value, recompute=_RECOMPUTE.value),
             data=config_lib.DataConfig(
                 dataset=_DATASET.value, data_dir=_DATA_DIR.value, synthetic=_SYNTHETIC.value,
-                shuffle_buffer=_SHUFFLE_BUFFER.value, autoshard=_AUTOSHARD.value),
+                shuffle_buffer=_SHUFFLE_BUFFER.value, autoshard=_AUTOSHARD.value,
+                image_size=_IMAGE_SIZE.value, vocab_size=_VOCAB_SIZE.value,
+                sequence_length=_SEQUENCE_LENGTH.value),
             optimizer=config_lib.OptimizerConfig(
                 name=_OPTIMIZER.value, learning_rate=_LEARNING_RATE.value,
                 momentum=_MOMENTUM.value, weight_decay=_WEIGHT_DECAY.value,
@@ -212,6 +270,8 @@ def run_config() -> config_lib.RunConfig:
                 eval_every=_EVAL_EVERY.value,
                 log_every=_LOG_EVERY.value, checkpoint_every=_CHECKPOINT_EVERY.value,
                 keep_checkpoints=_KEEP_CHECKPOINTS.value, model_dir=_MODEL_DIR.value,
+                export_dir=_EXPORT_DIR.value, loss=_LOSS.value, metrics=tuple(_METRICS.value),
+                label_smoothing=_LABEL_SMOOTHING.value,
                 seed=_SEED.value, jit_compile=_JIT_COMPILE.value,
                 profile_steps=_profile_steps(), profile_all_ranks=_PROFILE_ALL_RANKS.value,
                 log_all_ranks=_LOG_ALL_RANKS.value,

@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tfdist.data.inputs import Inputs
+from tfdist.data.inputs import Inputs, check_structure
 from tfdist.data.spec import DatasetSpec
 
 DatasetFn = Callable[[str, tf.distribute.InputContext], tf.data.Dataset]
@@ -20,14 +20,19 @@ def shard(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.d
 
 
 def _infer_spec(dataset: tf.data.Dataset) -> DatasetSpec:
-    x_spec, _ = dataset.element_spec
+    check_structure(dataset.element_spec)
+    x_spec = dataset.element_spec[0]
+    if isinstance(x_spec, dict):   # named features of a multi-input model
+        return DatasetSpec(name="custom", kind="features", num_classes=0,
+                           input_shape={k: tuple(s.shape) for k, s in x_spec.items()})
     tokens = x_spec.dtype.is_integer and x_spec.shape.rank == 1
     return DatasetSpec(name="custom", kind="tokens" if tokens else "image",
                        input_shape=tuple(x_spec.shape), num_classes=0)
 
 
 class FunctionInputs(Inputs):
-    """Wraps `dataset_fn(split, input_context) -> unbatched (x, y) dataset`.
+    """Wraps `dataset_fn(split, input_context) -> unbatched examples`: (x, y) or
+    (x, y, sample_weight), `x` a tensor or a dict of named features.
 
     The function returns the examples of `split` ("train" or "test") that the
     given input pipeline should read (use `shard` when there are several).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -167,8 +168,10 @@ class TfdsInputs(Inputs):
         return ds.map(_preprocess, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-def load(config: DataConfig) -> Inputs:
-    """The inputs `config` asks for; a `UsageError` if they cannot be had."""
+def load(config: DataConfig, *, model_dir: Optional[str] = None) -> Inputs:
+    """The inputs `config` asks for; a `UsageError` if they cannot be had.
+    `model_dir` (when set) caches what is derived from the data (a text
+    dataset's vocabulary)."""
     if config.synthetic:
         from tfdist.data.synthetic import SyntheticInputs
         return SyntheticInputs(_spec(_builder(config)))

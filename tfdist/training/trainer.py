@@ -28,29 +28,23 @@ from tfdist.errors import UsageError
 from tfdist.training import optimizers, xla
 from tfdist.training.compression import GradientCompression
 from tfdist.training.precision import Precision
+from tfdist.training.task import Task
 
-# Metric counters summed across replicas: loss sum over examples, correct
-# predictions, predictions made, examples seen (weighted in evaluation); the
-# train loop adds the global gradient norm at its last step.
-_LOSS, _CORRECT, _PREDICTIONS, _EXAMPLES, _GRAD_NORM = range(5)
-
-
-def _per_example_loss(y, logits):
-    loss = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
-    # Token models predict one target per position: average over positions.
-    return tf.reduce_mean(loss, axis=range(1, loss.shape.rank)) if loss.shape.rank > 1 else loss
+# The counters every replica step returns (summed across replicas in the
+# step's one reduction): the loss numerator and divisor (`Task.loss_terms`),
+# then every metric's state change (`Task.metric_deltas`); the train loop
+# appends the global gradient norm at its last step.
+_LOSS_NUMERATOR, _LOSS_DIVISOR, _METRICS = 0, 1, 2
+_ZERO = tf.UnconnectedGradients.ZERO
 
 
-def _counters(y, logits, per_example_loss, weights):
-    correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y), tf.float32)
-    per_example_correct = tf.reduce_sum(tf.reshape(correct, (tf.shape(correct)[0], -1)), axis=1)
-    predictions_per_example = tf.cast(tf.size(correct) // tf.shape(correct)[0], tf.float32)
-    return tf.stack([
-        tf.reduce_sum(per_example_loss * weights),
-        tf.reduce_sum(per_example_correct * weights),
-        tf.reduce_sum(weights) * predictions_per_example,
-        tf.reduce_sum(weights),
-    ])
+def _dense(grads) -> list:
+    return [tf.convert_to_tensor(g) for g in grads]
+
+
+def _take(parts, i):
+    """Micro-batch `i` of (x, y, weight) split into [k, ...] along the batch."""
+    return tf.nest.map_structure(lambda t: t[i], parts)
 
 
 def total_steps(train_config, spec) -> int:
@@ -69,8 +63,16 @@ class Trainer:
     def __init__(self, *, config, strategy: Strategy, model: keras.Model,
                  optimizer: keras.optimizers.Optimizer, inputs: inputs_lib.Inputs,
                  total_steps: int, checkpointer_factory=None, jit_level: str = xla.OFF,
-                 flops_per_example: Optional[int] = None, peak_tflops: Optional[float] = None):
+                 flops_per_example: Optional[int] = None, peak_tflops: Optional[float] = None,
+                 task: Optional[Task] = None):
         self.config = config
+        # The loss and metrics; `task.build` has seen the data's specs.
+        self.task = task
+        self._counters_size = _METRICS + task.metric_size
+        # Set while tracing the replica step: the global loss divisor when it
+        # is known in advance (else the reduced gradient is rescaled), and
+        # whether regularization gradients travel apart from the data's.
+        self._global_divisor, self._split_regularization = None, False
         self.train_config = config.train
         self.strategy = strategy
         self.model = model
@@ -112,42 +114,58 @@ class Trainer:
         self._eval_loop = strategy.function(self._eval_loop_fn)
 
     # -- replica steps (run on every replica inside tf.function) -----------
-    def _micro_batch_gradients(self, x, y):
+    def _micro_batch_gradients(self, x, y, weight):
+        """Gradients of this micro-batch's share of the global loss, and its counters."""
         variables = self.model.trainable_variables
-        with tf.GradientTape() as tape:
-            logits = self.model(x, training=True)
-            per_example = _per_example_loss(y, logits)
-            # Scale by the *global* batch, so summing over replicas and
-            # micro-batches gives the gradient of the global mean loss.
-            loss = tf.reduce_sum(per_example) / self.global_batch_size
+        with tf.GradientTape(persistent=True) as tape:
+            y_pred = self.model(x, training=True)
+            numerator, divisor, global_divisor = self.task.loss_terms(
+                y, y_pred, weight, tf.ones(tf.shape(weight)[:1]))
+            # Scale by the *global* divisor, so summing over replicas and
+            # micro-batches gives the gradient of the global loss. When the
+            # divisor depends on the data (masks, mean_with_sample_weight),
+            # scale by the global batch now and by the reduced divisor later.
+            self._global_divisor = global_divisor
+            loss = numerator / (global_divisor or self.global_batch_size)
+            regularization = None
             if self.model.losses:
-                regularization = tf.add_n(self.model.losses)
-                loss += regularization / (self.strategy.replica_copies
-                                          * self.train_config.accum_steps)
+                regularization = tf.add_n(self.model.losses) / (
+                    self.strategy.replica_copies * self.train_config.accum_steps)
+                if global_divisor:
+                    loss += regularization
             # Identity unless the optimizer scales losses (mixed_float16): then
             # the gradients come out scaled and `apply` unscales them.
             scaled_loss = self.optimizer.scale_loss(loss)
+            if regularization is not None and not global_divisor:
+                scaled_regularization = self.optimizer.scale_loss(regularization)
         # Dense gradients: embeddings give IndexedSlices, which neither sum
         # across micro-batches nor cast for compression; the engines densify
         # them for the all-reduce anyway (Horovod's sparse_as_dense).
-        grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled_loss, variables)]
-        return grads, _counters(y, logits, per_example, tf.ones_like(per_example))
+        grads = _dense(tape.gradient(scaled_loss, variables, unconnected_gradients=_ZERO))
+        self._split_regularization = regularization is not None and not global_divisor
+        if self._split_regularization:  # not to be rescaled with the data's gradient
+            grads += _dense(tape.gradient(scaled_regularization, variables,
+                                            unconnected_gradients=_ZERO))
+        del tape
+        counters = tf.concat([tf.stack([numerator, divisor]),
+                              self.task.metric_deltas(y, y_pred, weight)], axis=0)
+        return grads, counters
 
-    def _local_gradients(self, x, y):
+    def _local_gradients(self, x, y, weight):
         """This replica's gradient summed over its micro-batches, and counters."""
         k = self.train_config.accum_steps
         if k == 1:
-            grads, counters = self._micro_batch_gradients(x, y)
+            grads, counters = self._micro_batch_gradients(x, y, weight)
         else:
             # Sum gradients of k micro-batches locally; reduce once afterwards.
             # An in-graph loop (not k unrolled copies) keeps one micro-batch's
             # activations and gradients alive at a time.
-            xs = tf.reshape(x, [k, -1, *x.shape[1:]])
-            ys = tf.reshape(y, [k, -1, *y.shape[1:]])
-            grads, counters = self._micro_batch_gradients(xs[0], ys[0])
+            parts = tf.nest.map_structure(lambda t: tf.reshape(t, [k, -1, *t.shape[1:]]),
+                                          (x, y, weight))
+            grads, counters = self._micro_batch_gradients(*_take(parts, 0))
             for i in tf.range(1, k):
                 tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-                more, more_counters = self._micro_batch_gradients(xs[i], ys[i])
+                more, more_counters = self._micro_batch_gradients(*_take(parts, i))
                 grads = [g + m for g, m in zip(grads, more)]
                 counters += more_counters
         return grads, counters
@@ -184,11 +202,21 @@ class Trainer:
         global gradient norm, `measure_agreement` the per-replica gradient
         agreement: each is a full pass over the gradients (the norm cost 13%
         of the FFN mlp's step when taken at every step), so only then."""
-        x, y = batch
-        local, counters = self._gradients_fn(x, y)
+        x, y, weight = batch
+        local, counters = self._gradients_fn(x, y, weight)
         variables = self.model.trainable_variables
         reduced = self._reduce(self.compression.compress(local) + [counters])
-        grads, counters = self.compression.decompress(reduced[:-1], variables), reduced[-1]
+        copies = 2 if self._split_regularization else 1
+        grads = self.compression.decompress(reduced[:-1], variables * copies)
+        counters = reduced[-1]
+        if not self._global_divisor:  # the divisor was data-dependent: rescale by the global one
+            factor = tf.math.divide_no_nan(tf.cast(self.global_batch_size, tf.float32),
+                                           counters[_LOSS_DIVISOR])
+            grads = [g * tf.cast(factor, g.dtype) for g in grads[:len(variables)]] + \
+                grads[len(variables):]
+        if self._split_regularization:
+            grads = [g + r for g, r in zip(grads[:len(variables)], grads[len(variables):])]
+            local = local[:len(variables)]
         norm = tf.zeros([])
         if report:  # the global gradient's norm, before clipping, without loss scaling
             norm = tf.linalg.global_norm(grads)
@@ -227,9 +255,11 @@ class Trainer:
         return self.strategy.all_reduce_sum([tf.identity(v.value) for v in self._synced_state()])
 
     def _replica_eval_step(self, batch):
-        x, y, weights = batch
-        logits = self.model(x, training=False)
-        counters = _counters(y, logits, _per_example_loss(y, logits), weights)
+        x, y, weight, real = batch
+        y_pred = self.model(x, training=False)
+        numerator, divisor, _ = self.task.loss_terms(y, y_pred, weight, real)
+        counters = tf.concat([tf.stack([numerator, divisor]),
+                              self.task.metric_deltas(y, y_pred, weight)], axis=0)
         return self.strategy.all_reduce_sum([counters])[0]
 
     # -- in-graph loops ------------------------------------------------------
@@ -238,7 +268,7 @@ class Trainer:
         loop, also reports the gradient norm and, with `measure_agreement` (a
         Python bool), the gradient agreement, which adds a collective:
         collectives cannot sit in a `tf.cond` in replica context."""
-        totals = tf.zeros([5])
+        totals = tf.zeros([self._counters_size + 1])
         for _ in tf.range(num_steps - 1):
             # Steps are sequential by nature (each reads the last update); also
             # say so to the while loop, or it may start the next step's
@@ -256,7 +286,7 @@ class Trainer:
         return totals, agreement
 
     def _eval_loop_fn(self, iterator, num_steps):
-        totals = tf.zeros([4])
+        totals = tf.zeros([self._counters_size])
         for _ in tf.range(num_steps):
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
             totals += self.strategy.run(self._replica_eval_step, next(iterator))
@@ -282,13 +312,16 @@ class Trainer:
                 replicas_per_pipeline=strategy.replica_copies // pipelines))
         return iter(train)
 
+    def _results(self, totals) -> dict:
+        return self.task.results(float(totals[_LOSS_NUMERATOR]), float(totals[_LOSS_DIVISOR]),
+                                 totals[_METRICS:self._counters_size])
+
     def evaluate(self) -> dict:
-        """Loss and accuracy over the whole test split (exact, padding excluded)."""
+        """Loss and metrics over the whole test split (exact, padding excluded)."""
         if self._eval_data is None:
             return {}
         totals = self._eval_loop(iter(self._eval_data), tf.constant(self.eval_steps)).numpy()
-        return {"test_loss": float(totals[_LOSS] / totals[_EXAMPLES]),
-                "test_accuracy": float(totals[_CORRECT] / totals[_PREDICTIONS])}
+        return {f"test_{name}": value for name, value in self._results(totals).items()}
 
     def _next_stop(self, step: int) -> int:
         """The next step at which the outer loop must regain control."""
@@ -351,12 +384,11 @@ class Trainer:
                     timed_seconds += seconds
                 first_loop, step = False, stop
                 train_metrics = {
-                    "loss": float(totals[_LOSS] / totals[_EXAMPLES]),
-                    "accuracy": float(totals[_CORRECT] / totals[_PREDICTIONS]),
+                    **self._results(totals),
                     "examples_per_sec": examples / seconds,
                     **self._throughput(examples / seconds),
                     "learning_rate": optimizers.current_learning_rate(self.optimizer),
-                    "grad_norm": float(totals[_GRAD_NORM])}
+                    "grad_norm": float(totals[self._counters_size])}
                 loss_scale = Precision.loss_scale(self.optimizer)
                 if loss_scale is not None:
                     train_metrics["loss_scale"] = loss_scale

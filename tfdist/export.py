@@ -1,0 +1,148 @@
+"""Export for serving: `model.keras` and a SavedModel with a serving signature.
+
+After training (`--export_dir`) the chief copies the trained weights into a
+fresh build of the same model made outside any engine, so the export holds
+plain, full (unsharded under dtensor) variables, and writes
+
+    export_dir/model.keras     keras.saving.load_model(...)
+    export_dir/saved_model/    tf.saved_model.load(...).serve(x)  (model.export)
+
+into a temporary directory beside `export_dir` that replaces it only once
+both are complete: an interrupted export never leaves half a model, and a
+previous export stays intact until the new one is whole.
+
+`tfdist-export --model_dir=D --export_dir=E` exports D's latest checkpoint
+without training, from the run record (`D/run.json`: the RunConfig and the
+dataset's spec) that every run with a model_dir writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Callable, Optional
+
+from tfdist.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, StrategyConfig,
+                           TrainConfig)
+from tfdist.data.spec import DatasetSpec
+from tfdist.errors import UsageError
+
+RUN_RECORD = "run.json"
+
+
+def write_run_record(model_dir: str, config: RunConfig, spec: DatasetSpec, *,
+                     builder: bool) -> None:
+    """`model_dir/run.json`: what `tfdist-export` needs to rebuild the model."""
+    record = {"config": dataclasses.asdict(config), "spec": dataclasses.asdict(spec),
+              "builder": builder}
+    path = os.path.join(model_dir, RUN_RECORD)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True, default=list)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def read_run_record(model_dir: str) -> tuple[RunConfig, DatasetSpec, bool]:
+    path = os.path.join(model_dir, RUN_RECORD)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"--model_dir={model_dir} has no {RUN_RECORD}: it is not a tfdist "
+                         "run directory (runs with --model_dir write one)") from None
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path} cannot be read: {error}") from None
+    parts = {"strategy": StrategyConfig, "model": ModelConfig, "data": DataConfig,
+             "optimizer": OptimizerConfig, "train": TrainConfig}
+    config = RunConfig(**{name: cls(**{k: _tuples(v) for k, v in record["config"][name].items()})
+                          for name, cls in parts.items()})
+    spec_fields = {k: _tuples(v) for k, v in record["spec"].items()}
+    if isinstance(record["spec"].get("input_shape"), dict):
+        spec_fields["input_shape"] = {k: tuple(v) for k, v in
+                                      record["spec"]["input_shape"].items()}
+    return config, DatasetSpec(**spec_fields), bool(record.get("builder"))
+
+
+def _host_weights(model, strategy) -> list:
+    if strategy is None:
+        return model.get_weights()
+    return [strategy.to_host(v).numpy() for v in model.weights]
+
+
+def export_model(model, export_dir: str, *, strategy=None,
+                 rebuild: Optional[Callable] = None) -> dict:
+    """Write `model` (trained under `strategy`) to `export_dir`; return the paths."""
+    from absl import logging
+
+    serving = model
+    if rebuild is not None:
+        serving = rebuild()
+        serving.set_weights(_host_weights(model, strategy))
+    export_dir = os.path.abspath(export_dir)
+    parent = os.path.dirname(export_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
+    except OSError as error:
+        raise UsageError(f"--export_dir={export_dir} cannot be written: "
+                         f"{error.strerror or error}") from None
+    try:
+        serving.save(os.path.join(staging, "model.keras"))
+        serving.export(os.path.join(staging, "saved_model"), format="tf_saved_model",
+                       verbose=False)
+        previous = None
+        if os.path.exists(export_dir):
+            previous = f"{staging}.previous"
+            os.replace(export_dir, previous)
+        os.replace(staging, export_dir)
+        if previous:
+            shutil.rmtree(previous, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    paths = {"keras": os.path.join(export_dir, "model.keras"),
+             "saved_model": os.path.join(export_dir, "saved_model")}
+    logging.info("exported %s and %s", paths["keras"], paths["saved_model"])
+    return paths
+
+
+def export_checkpoint(model_dir: str, export_dir: str, *,
+                      model_fn: Optional[Callable] = None, spec: Optional[DatasetSpec] = None,
+                      checkpoint: Optional[str] = None) -> dict:
+    """Export `model_dir`'s latest (or the given) checkpoint without training.
+
+    Builders' runs rebuild from the run record; runs of your own `model_fn`
+    pass it again (and the `spec` it was given, if it differs from the record's).
+    """
+    import tensorflow as tf
+    from absl import logging
+
+    from tfdist import models
+    from tfdist.checkpointing import checkpoint_dir
+    from tfdist.training.precision import Precision
+
+    config, recorded_spec, builder = read_run_record(model_dir)
+    spec = spec or recorded_spec
+    if model_fn is None and not builder:
+        raise UsageError(f"--model_dir={model_dir} was trained with a Python model_fn; "
+                         "export it from Python: tfdist.export(model_dir, export_dir, "
+                         "model_fn=...)")
+    path = checkpoint or tf.train.latest_checkpoint(checkpoint_dir(model_dir))
+    if not path:
+        raise UsageError(f"--model_dir={model_dir} has no checkpoint to export (train with "
+                         "--model_dir first)")
+    with Precision(config.train.precision).policy_scope():
+        model = model_fn(spec) if model_fn else models.build(config.model, spec)
+    status = tf.train.Checkpoint(model=model).read(path)
+    status.expect_partial()
+    status.assert_existing_objects_matched()
+    logging.info("restored %s", path)
+    return export_model(model, export_dir)
