@@ -15,5 +15,11 @@ def train(config, **kwargs):
     return _train(config, **kwargs)
 
 
+def export(source, export_dir, **kwargs):
+    """See `tfdist.api.export`: a RunResult or a model_dir -> model.keras + SavedModel."""
+    from tfdist.api import export as _export
+    return _export(source, export_dir, **kwargs)
+
+
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig",
-           "StrategyConfig", "TrainConfig", "UsageError", "train"]
+           "StrategyConfig", "TrainConfig", "UsageError", "export", "train"]

@@ -21,7 +21,7 @@ from absl import logging
 from tfdist import models, sharding, strategies
 from tfdist.checkpointing import Checkpointer, checkpoint_dir
 from tfdist.config import RunConfig
-from tfdist import export as export_lib
+from tfdist import exporting as export_lib
 from tfdist.data import inputs as inputs_lib
 from tfdist.data import tfds_inputs
 from tfdist.data.function_inputs import DatasetFn, FunctionInputs
@@ -40,6 +40,22 @@ class RunResult:
     model: keras.Model     # the trained model
     optimizer: keras.optimizers.Optimizer
     is_chief: bool = True  # only the chief prints and writes the summary
+    # For `tfdist.export(result, ...)`: the engine the model lives on and how
+    # to build a plain copy of it.
+    strategy: object = dataclasses.field(default=None, repr=False)
+    rebuild: Optional[Callable[[], keras.Model]] = dataclasses.field(default=None, repr=False)
+
+
+def export(source, export_dir: str, *, model_fn=None, spec=None) -> dict:
+    """Write model.keras and a SavedModel (serving signature `serve`) to `export_dir`.
+
+    source: a `RunResult` (its trained model) or a model_dir (its latest
+    checkpoint; runs of your own model_fn pass it again). Returns the paths.
+    """
+    if isinstance(source, RunResult):
+        return export_lib.export_model(source.model, export_dir, strategy=source.strategy,
+                                       rebuild=source.rebuild)
+    return export_lib.export_checkpoint(str(source), export_dir, model_fn=model_fn, spec=spec)
 
 
 def check_model_dir(model_dir: Optional[str]) -> None:
@@ -345,12 +361,13 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         key = name if name not in summary else f"metric_{name}"
         summary[f"train_{name}"] = metrics.get(name)
         summary[key] = metrics.get(f"test_{name}")
+    def rebuild():
+        return _serving_model(config, model_fn, inputs.spec)
+
     if strategy.is_chief and tc.export_dir:
-        paths = export_lib.export_model(
-            model, tc.export_dir, strategy=strategy,
-            rebuild=lambda: _serving_model(config, model_fn, inputs.spec))
-        summary["export"] = paths
+        summary["export"] = export_lib.export_model(model, tc.export_dir, strategy=strategy,
+                                                    rebuild=rebuild)
     if strategy.is_chief and tc.model_dir:
         write_summary(tc.model_dir, summary)
     return RunResult(summary=summary, model=model, optimizer=optimizer,
-                     is_chief=strategy.is_chief)
+                     is_chief=strategy.is_chief, strategy=strategy, rebuild=rebuild)

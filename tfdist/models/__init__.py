@@ -29,7 +29,8 @@ def check_compatible(config: ModelConfig, spec: DatasetSpec) -> None:
         raise UsageError(
             f"--model={config.name} needs a dataset of kind {'/'.join(kinds)}, but "
             f"--dataset={spec.name} is {spec.kind} data; pick a matching model or dataset "
-            "(image: tfdist_shapes with mlp or cnn; tokens: tfdist_tokens with transformer)")
+            "(image: tfdist_shapes or an image dataset with mlp or cnn; tokens: tfdist_tokens "
+            "with transformer; text: a text dataset such as imdb_reviews with transformer)")
 
 
 def build(config: ModelConfig, spec: DatasetSpec) -> "keras.Model":  # noqa: F821

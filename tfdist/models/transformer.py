@@ -1,8 +1,11 @@
-"""`transformer`: a small causal Transformer decoder for next-token prediction.
+"""`transformer`: a small Transformer, for next-token prediction or text classification.
 
-Pre-norm blocks (`DecoderBlock`) of causal multi-head self-attention and a GELU FFN (4x),
-token plus learned position embeddings, logits over the vocabulary at every
-position.
+Pre-norm blocks (`DecoderBlock`) of multi-head self-attention and a GELU FFN (4x)
+over token plus learned position embeddings. On "tokens" data it is a causal
+decoder with logits over the vocabulary at every position; on "text" data
+(token ids of a text, 0 = padding, one label per text) a non-causal encoder
+whose final states are averaged over the non-padding positions into class
+logits.
 """
 
 import keras
@@ -11,7 +14,7 @@ from keras import layers, ops
 from tfdist.errors import UsageError
 from tfdist.models.blocks import Block
 
-DATA_KINDS = ("tokens",)
+DATA_KINDS = ("tokens", "text")
 
 
 def layout_rules(config):
@@ -49,10 +52,12 @@ class PositionEmbedding(layers.Layer):
 
 
 class DecoderBlock(Block):
-    """Pre-norm causal self-attention and a 4x GELU FFN, each with a residual."""
+    """Pre-norm self-attention (causal unless `causal=False`) and a 4x GELU FFN,
+    each with a residual."""
 
-    def __init__(self, width, num_heads, **kwargs):
+    def __init__(self, width, num_heads, causal=True, **kwargs):
         super().__init__(**kwargs)
+        self.causal = causal
         self.ln1 = layers.LayerNormalization(epsilon=1e-5, name="ln1")
         self.attention = layers.MultiHeadAttention(num_heads, width // num_heads, name="attn")
         self.ln2 = layers.LayerNormalization(epsilon=1e-5, name="ln2")
@@ -61,21 +66,38 @@ class DecoderBlock(Block):
 
     def forward(self, x, training=None):
         y = self.ln1(x)
-        x = x + self.attention(y, y, use_causal_mask=True, training=training)
+        x = x + self.attention(y, y, use_causal_mask=self.causal, training=training)
         return x + self.ffn_out(self.ffn_in(self.ln2(x)))
+
+
+class MaskedAverage(layers.Layer):
+    """Average of the states (batch, T, d) over the positions whose token id
+    (batch, T) is not 0 (padding); an all-padding text averages to zeros."""
+
+    def call(self, states, tokens):
+        mask = ops.cast(ops.not_equal(tokens, 0), states.dtype)[..., None]
+        total = ops.sum(states * mask, axis=1)
+        return total / ops.maximum(ops.sum(mask, axis=1), ops.cast(1, states.dtype))
 
 
 def build(config, spec) -> keras.Model:
     if config.width % config.num_heads:
         raise UsageError(f"--model_width={config.width} must be divisible by "
                          f"--num_heads={config.num_heads}")
+    text = spec.kind == "text"
     length = spec.input_shape[0]
+    vocab_size = spec.vocab_size if text else spec.num_classes
+    if not vocab_size:
+        raise UsageError(f"--dataset={spec.name} has text data without a vocabulary size "
+                         "(DatasetSpec.vocab_size)")
     inputs = keras.Input((length,), dtype="int32", name="tokens")
-    x = layers.Embedding(spec.num_classes, config.width, name="token_embedding")(inputs)
+    x = layers.Embedding(vocab_size, config.width, name="token_embedding")(inputs)
     x = PositionEmbedding(length, config.width, name="position_embedding")(x)
     for i in range(config.depth):
-        x = DecoderBlock(config.width, config.num_heads, recompute=config.recompute,
-                         name=f"block{i}")(x)
+        x = DecoderBlock(config.width, config.num_heads, causal=not text,
+                         recompute=config.recompute, name=f"block{i}")(x)
     x = layers.LayerNormalization(epsilon=1e-5, name="final_ln")(x)
+    if text:
+        x = MaskedAverage(name="pool")(x, inputs)
     logits = layers.Dense(spec.num_classes, dtype="float32", name="logits")(x)
     return keras.Model(inputs, logits, name="transformer")

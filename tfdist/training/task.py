@@ -213,7 +213,9 @@ class Task:
             lowered = identifier.lower()
             binary = pred_spec.shape.rank and pred_spec.shape[-1] == 1
             sparse = y_spec.shape.rank < pred_spec.shape.rank
-            if lowered in ("accuracy", "acc") and self.from_logits and binary:
+            if self.from_logits and (lowered == "binary_accuracy" or
+                                     (lowered in ("accuracy", "acc") and binary)):
+                # On logits the decision threshold is 0, not 0.5.
                 return keras.metrics.BinaryAccuracy(name=identifier, threshold=0.0)
             if lowered == "auc" and self.from_logits:
                 return keras.metrics.AUC(name=identifier, from_logits=True)
