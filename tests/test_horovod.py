@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -27,6 +28,28 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not HAVE_HOROVOD, reason="Horovod not built (make horovod)")]
 HOROVODRUN = [os.path.join(BIN, "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"]
 TRAIN = os.path.join(BIN, "tfdist-train")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["multilabel", "tokens_ignore_class"])
+def test_two_ranks_train_keras_losses_and_metrics_like_one_device(tmp_path, case):
+    from test_tasks import run_case_workers
+    run_case_workers(HOROVODRUN, tmp_path, "horovod", case)
+
+
+@pytest.mark.timeout(240)
+def test_custom_absl_script_under_horovodrun(tmp_path):
+    script = os.path.join(REPO, "examples", "custom_script.py")
+    result = subprocess.run([*HOROVODRUN, sys.executable, script, "--strategy=horovod",
+                             "--examples=2048", "--train_steps=120", "--global_batch_size=64"],
+                            cwd=REPO, capture_output=True, text=True, timeout=200,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads(line[line.index("{"):]) for line in result.stdout.splitlines()
+                 if "{" in line and '"strategy"' in line]
+    assert len(summaries) == 1, result.stdout[-2000:]   # the chief (rank 0) prints it
+    assert summaries[0]["strategy"] == "horovod" and summaries[0]["replicas"] == 2
+    assert summaries[0]["auc"] > 0.85
 
 
 @pytest.mark.timeout(240)

@@ -8,6 +8,11 @@ tfdist optimises is Keras's own (one SGD step equals the step computed from
 `keras.losses.Loss.__call__` with the same sample weights and masks).
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -17,7 +22,8 @@ import tfdist
 from tfdist.data.function_inputs import shard
 from tfdist.data.spec import DatasetSpec
 
-from common import PREDICTION_TOLERANCE, assert_weights_close
+from common import PREDICTION_TOLERANCE, assert_weights_close, mw_config
+from conftest import BIN, REPO
 
 N_TRAIN, N_TEST = 256, 72  # 72: evaluation needs zero-weight padding at batch 32
 FEATURES, LABELS, VOCAB, LENGTH = 6, 4, 12, 8
@@ -256,3 +262,48 @@ def test_mirrored_predictions_export(tmp_path):
     np.testing.assert_allclose(served.serve(x).numpy(), expected, **PREDICTION_TOLERANCE)
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["model.keras",
                                                                        "saved_model"]
+
+
+def run_case(train, config, case, initial):
+    """Train `config` on CASES[case] from `initial` (tests/mw_worker.py uses it).
+
+    The loss and metrics come from `model.compile` in model_fn: Keras metric
+    objects create variables, and under multi_worker no TensorFlow may run
+    before `tfdist.train` has set up the cluster."""
+    build, data, loss, metrics = CASES[case]
+
+    def model_fn(spec):
+        model = _with_weights(build, initial)(spec)
+        model.compile(loss=loss(), metrics=metrics())
+        return model
+
+    return train(config, model_fn=model_fn, dataset_fn=data)
+
+
+def run_case_workers(launcher_args, tmp_path, engine, case):
+    """CASES[case] on 2 processes under `engine` and on one device in-process:
+    the workers' weights (identical) match one device's on the same global
+    batches (each worker reads every other example; tfdist concatenates them)."""
+    initial = CASES[case][0](None).get_weights()
+    np.savez(tmp_path / "initial.npz", *initial)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run([*launcher_args, sys.executable, "tests/mw_worker.py", str(tmp_path),
+                             engine, "10", json.dumps({"task": case})], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    workers = [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)]
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)
+    single = run_case(tfdist.train, mw_config("default", 10), case, initial)
+    assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
+    chief = json.loads((tmp_path / "summary-0.json").read_text())
+    for key in ["loss", "test_loss", *single.summary["metrics"]]:
+        np.testing.assert_allclose(chief[key], single.summary[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["regression", "tokens_mean_with_sample_weight"])
+def test_two_workers_match_one_device(tmp_path, case):
+    run_case_workers([os.path.join(BIN, "tfdist-launch"), "--workers=2", "--"], tmp_path,
+                     "multi_worker", case)

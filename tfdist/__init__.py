@@ -15,6 +15,12 @@ def train(config, **kwargs):
     return _train(config, **kwargs)
 
 
+def shard(dataset, context):
+    """This input pipeline's share of `dataset`, by example (for `dataset_fn`s)."""
+    from tfdist.data.function_inputs import shard as _shard
+    return _shard(dataset, context)
+
+
 def export(source, export_dir, **kwargs):
     """See `tfdist.api.export`: a RunResult or a model_dir -> model.keras + SavedModel."""
     from tfdist.api import export as _export
@@ -22,4 +28,4 @@ def export(source, export_dir, **kwargs):
 
 
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig",
-           "StrategyConfig", "TrainConfig", "UsageError", "export", "train"]
+           "StrategyConfig", "TrainConfig", "UsageError", "export", "shard", "train"]

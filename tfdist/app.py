@@ -2,10 +2,15 @@
 
 User errors (bad flags, bad config, data that cannot be prepared, ...) are
 reported as one line on stderr with exit status 2 and no traceback.
+
+Your own absl script gets the same handling with `tfdist.app.run(main)`
+(see examples/custom_script.py): absl parses its flags and tfdist's together,
+and `main` may raise `tfdist.UsageError`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging as std_logging
 import os
@@ -24,8 +29,13 @@ USAGE_ERROR = 2
 PROG = "tfdist-train"
 
 
+def _prog() -> str:
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else PROG
+    return name or PROG
+
+
 def usage_exit(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"{_prog()}: error: {message}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
 
 
@@ -37,39 +47,68 @@ def parse_flags(argv: list[str]) -> list[str]:
         usage_exit(str(error).replace("\n", " "))
 
 
+def _guarded(main):
+    """`main` with tfdist's exits: a `UsageError` is one line and status 2, a
+    `WorkerFault` one line and status 1 at once, Ctrl-C status 130."""
+
+    @functools.wraps(main)
+    def guarded(argv):
+        logging.set_verbosity(logging.INFO)
+        # TensorFlow's own Python INFO lines (one per traced collective) drown the progress.
+        std_logging.getLogger("tensorflow").setLevel(std_logging.WARNING)
+        try:
+            return main(argv)
+        except UsageError as error:
+            usage_exit(str(error))
+        except WorkerFault as fault:
+            # Exit at once: with a dead peer, TensorFlow's teardown can block.
+            sys.stderr.write(f"{_prog()}: fault: {fault}\n")
+            sys.stderr.flush()
+            os._exit(1)
+        except KeyboardInterrupt:
+            print(f"{_prog()}: interrupted; the last complete checkpoint (if any) is intact",
+                  file=sys.stderr)
+            sys.exit(130)
+    return guarded
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         usage_exit(f"unexpected arguments {' '.join(argv[1:])!r}; flags must start with --")
-    logging.set_verbosity(logging.INFO)
-    # TensorFlow's own Python INFO lines (one per traced collective) drown the progress.
-    std_logging.getLogger("tensorflow").setLevel(std_logging.WARNING)
-    try:
-        config = tfdist_flags.run_config()
-        strategies.check_name(config.strategy.name)
-        models.check_name(config.model.name)
-        from tfdist import api  # TensorFlow loads here, after the flags are known good
-        if tfdist_flags.print_layouts():
-            print(api.describe_layouts(config), flush=True)
-            return
-        result = api.train(config)
-    except UsageError as error:
-        usage_exit(str(error))
-    except WorkerFault as fault:
-        # Exit at once: with a dead peer, TensorFlow's teardown can block.
-        sys.stderr.write(f"{PROG}: fault: {fault}\n")
-        sys.stderr.flush()
-        os._exit(1)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; the last complete checkpoint (if any) is intact",
-              file=sys.stderr)
-        sys.exit(130)
+    config = tfdist_flags.run_config()
+    strategies.check_name(config.strategy.name)
+    models.check_name(config.model.name)
+    from tfdist import api  # TensorFlow loads here, after the flags are known good
+    if tfdist_flags.print_layouts():
+        print(api.describe_layouts(config), flush=True)
+        return
+    result = api.train(config)
     if result.is_chief:
         print(json.dumps(result.summary, sort_keys=True), flush=True)
 
 
-def run() -> None:
-    """Console-script entry point."""
-    app.run(main, flags_parser=parse_flags)
+def export_main(argv: list[str]) -> None:
+    """`tfdist-export --model_dir=D --export_dir=E`: D's latest checkpoint, no training."""
+    if len(argv) > 1:
+        usage_exit(f"unexpected arguments {' '.join(argv[1:])!r}; flags must start with --")
+    model_dir, export_dir = flags.FLAGS.model_dir, flags.FLAGS.export_dir
+    if not model_dir or not export_dir:
+        usage_exit("tfdist-export needs --model_dir (a run's directory) and --export_dir "
+                   "(where to write model.keras and saved_model/)")
+    from tfdist import exporting  # TensorFlow loads here
+    print(json.dumps(exporting.export_checkpoint(model_dir, export_dir), sort_keys=True),
+          flush=True)
+
+
+def run_export() -> None:
+    """Console-script entry point of tfdist-export."""
+    app.run(_guarded(export_main), flags_parser=parse_flags)
+
+
+def run(user_main=None) -> None:
+    """Run `user_main(argv)` (default: tfdist-train's) under absl with tfdist's
+    flag parsing and error handling; the console-script entry point."""
+    app.run(_guarded(user_main or main), flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

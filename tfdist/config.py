@@ -46,8 +46,15 @@ def _non_negative(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= 0")
 
 
+class _Replace:
+    """`part.replace(field=value)`: a validated copy with some fields changed."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
 @dataclasses.dataclass(frozen=True)
-class StrategyConfig:
+class StrategyConfig(_Replace):
     """Which engine runs the replicas and how it is set up."""
 
     name: str = "mirrored"
@@ -81,7 +88,7 @@ class StrategyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Replace):
     """Which registered model builder to use, and its size knobs."""
 
     name: str = "cnn"
@@ -97,7 +104,7 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Replace):
     """Where examples come from."""
 
     dataset: str = "tfdist_shapes"
@@ -131,7 +138,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(_Replace):
     name: str = "adam"
     learning_rate: float = 1e-3
     momentum: float = 0.9            # used by `momentum`
@@ -163,7 +170,7 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(_Replace):
     """The outer loop: how long, how often to evaluate, log and checkpoint."""
 
     global_batch_size: int = 128
@@ -254,5 +261,6 @@ class RunConfig:
         default_factory=lambda: TrainConfig(train_steps=1000))
 
     def replace(self, **parts) -> "RunConfig":
-        """Copy with some parts swapped, e.g. `cfg.replace(train=...)`."""
+        """Copy with some parts swapped, e.g.
+        `cfg.replace(train=cfg.train.replace(train_steps=200))`."""
         return dataclasses.replace(self, **parts)

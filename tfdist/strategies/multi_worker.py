@@ -90,7 +90,8 @@ class MultiWorkerStrategy(TFDistributeStrategy):
                 raise UsageError(
                     "--strategy=multi_worker must be created before any other TensorFlow op "
                     "in the process (tfdist.train does this first; do not run TensorFlow "
-                    f"code before it): {error}") from None
+                    "code before it, e.g. create keras.metrics objects in model_fn with "
+                    f"model.compile, or pass metric names): {error}") from None
             raise
         # TensorFlow's worker order: the chief (if any) first, then the workers.
         resolver = strategy.cluster_resolver

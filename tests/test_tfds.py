@@ -1,0 +1,314 @@
+"""Any TFDS dataset with supervised_keys: images (any size, grayscale), text
+(a vocabulary adapted on train, cached in model_dir), evaluation on test or
+validation, and a one-line error at once for what cannot be had offline.
+
+The datasets are small builders in the exact feature layouts of `mnist` and
+`imdb_reviews` (tests/tfds_fixtures.py), prepared here; the CLI runs read them
+in fresh processes where their code is not importable (TFDS reads the files).
+"""
+
+import json
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfds_fixtures
+from conftest import run_clis
+from tfdist import models
+from tfdist.config import DataConfig, ModelConfig
+from tfdist.data import text as text_lib
+from tfdist.data import tfds_inputs
+from tfdist.data.spec import DatasetSpec
+from tfdist.errors import UsageError
+from tfdist.models import transformer
+
+ONE = tf.distribute.InputContext()  # one input pipeline
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tfds_fixtures"))
+    tfds_fixtures.prepare_all(path)
+    return path
+
+
+def _inputs(tfds_dir, dataset, model_dir=None, **data):
+    return tfds_inputs.load(DataConfig(dataset=dataset, data_dir=tfds_dir, **data),
+                            model_dir=model_dir)
+
+
+def _first(inputs, split="train"):
+    return next(iter(inputs.examples(split, ONE)))
+
+
+# -- images -----------------------------------------------------------------
+
+def test_mnist_layout_gives_float_grayscale_images_and_int32_labels(tfds_dir):
+    inputs = _inputs(tfds_dir, "tfdist_test_mnist")
+    assert inputs.spec == DatasetSpec(name="tfdist_test_mnist", kind="image",
+                                      input_shape=(28, 28, 1), num_classes=10,
+                                      train_examples=600, eval_examples=200)
+    x, y = _first(inputs)
+    assert x.dtype == tf.float32 and x.shape == (28, 28, 1) and y.dtype == tf.int32
+    assert 0.0 <= float(tf.reduce_min(x)) and float(tf.reduce_max(x)) <= 1.0
+    assert float(tf.reduce_max(x)) > 0.5  # a digit is drawn
+
+
+def test_image_size_resizes_and_the_spec_says_so(tfds_dir):
+    inputs = _inputs(tfds_dir, "tfdist_test_mnist", image_size=16)
+    assert inputs.spec.input_shape == (16, 16, 1)
+    x, _ = _first(inputs, "test")
+    assert x.shape == (16, 16, 1) and x.dtype == tf.float32
+
+
+def test_images_of_varying_size_need_image_size(tfds_dir):
+    with pytest.raises(UsageError, match=r"^--dataset=tfdist_test_varied has images of varying "
+                                         r"size \(\? x \?\); pass --image_size=N to resize"):
+        _inputs(tfds_dir, "tfdist_test_varied")
+    inputs = _inputs(tfds_dir, "tfdist_test_varied", image_size=24)
+    assert inputs.spec.input_shape == (24, 24, 3)
+    shapes = {tuple(x.shape) for x, _ in inputs.examples("train", ONE)}
+    assert shapes == {(24, 24, 3)}
+
+
+@pytest.mark.parametrize("name,input_shape", [("mlp", (28, 28, 1)), ("cnn", (28, 28, 1)),
+                                              ("cnn", (16, 16, 1))])
+def test_image_builders_take_grayscale(name, input_shape):
+    spec = DatasetSpec("gray", "image", input_shape, 10)
+    model = models.build(ModelConfig(name=name, width=8, depth=1), spec)
+    assert model(np.zeros((2, *input_shape), "float32")).shape == (2, 10)
+
+
+# -- splits and layouts -----------------------------------------------------
+
+def test_validation_split_is_evaluated_when_there_is_no_test_split(tfds_dir):
+    inputs = _inputs(tfds_dir, "tfdist_test_validation")
+    assert inputs.has_eval and inputs.eval_split == "validation"
+    assert inputs.spec.eval_examples == 40
+    assert inputs.split_size("test", 1, 0) == 40
+    assert inputs.split_size("test", 2, 1) == 20
+    assert sum(1 for _ in inputs.examples("test", ONE)) == 40
+
+
+def test_no_evaluation_split_trains_without_evaluation(tfds_dir):
+    inputs = _inputs(tfds_dir, "tfdist_test_train_only")
+    assert not inputs.has_eval and inputs.spec.eval_examples is None
+
+
+def test_dataset_without_supervised_keys_is_a_usage_error(tfds_dir):
+    with pytest.raises(UsageError, match="^--dataset=tfdist_test_unsupervised has no "
+                                         r"supervised \(input, label\) keys"):
+        _inputs(tfds_dir, "tfdist_test_unsupervised")
+
+
+# -- text -------------------------------------------------------------------
+
+def test_text_gives_token_ids_of_a_vocabulary_cached_in_model_dir(tfds_dir, tmp_path,
+                                                                   monkeypatch):
+    inputs = _inputs(tfds_dir, "tfdist_test_imdb", model_dir=str(tmp_path), vocab_size=40,
+                     sequence_length=16)
+    spec = inputs.spec
+    path = tmp_path / "vocabulary" / "tfdist_test_imdb-40.txt"
+    vocabulary = path.read_text(encoding="utf-8").split("\n")
+    assert vocabulary[:2] == ["", "[UNK]"] and len(vocabulary) == 40
+    assert (spec.kind, spec.input_shape, spec.num_classes, spec.vocab_size) == \
+        ("text", (16,), 2, 40)
+    assert (spec.train_examples, spec.eval_examples) == (600, 200)
+    for x, y in inputs.examples("test", ONE).take(20):
+        assert x.dtype == tf.int32 and x.shape == (16,) and y.dtype == tf.int32
+        assert 0 <= int(tf.reduce_min(x)) and int(tf.reduce_max(x)) < 40
+    full = text_lib.adapt(inputs.builder.as_dataset(split="train", as_supervised=True).map(
+        lambda x, y: x), 1000)
+    assert vocabulary == full[:40]  # the most frequent words
+
+    # A second run reuses the cache (same token ids) without adapting again.
+    def no_adapt(*args, **kwargs):
+        raise AssertionError("adapted again")
+    monkeypatch.setattr(text_lib, "adapt", no_adapt)
+    reused = _inputs(tfds_dir, "tfdist_test_imdb", model_dir=str(tmp_path), vocab_size=40,
+                     sequence_length=16)
+    assert reused.vectorizer.vocabulary == vocabulary
+    x, _ = _first(reused)
+    assert x.numpy().tolist() == _first(inputs)[0].numpy().tolist()
+
+    path.write_text("not\na vocabulary", encoding="utf-8")
+    with pytest.raises(UsageError, match="is not a vocabulary of at most --vocab_size=40"):
+        _inputs(tfds_dir, "tfdist_test_imdb", model_dir=str(tmp_path), vocab_size=40)
+
+
+def test_text_without_model_dir_adapts_deterministically(tfds_dir):
+    a = _inputs(tfds_dir, "tfdist_test_imdb", vocab_size=1000, sequence_length=8)
+    b = _inputs(tfds_dir, "tfdist_test_imdb", vocab_size=1000, sequence_length=8)
+    assert a.vectorizer.vocabulary == b.vectorizer.vocabulary
+    # fewer distinct words than --vocab_size: the spec counts the real ids
+    assert a.spec.vocab_size == len(a.vectorizer.vocabulary) < 1000
+    words = len(set(tfds_fixtures.POSITIVE + tfds_fixtures.NEGATIVE + tfds_fixtures.FILLER))
+    assert a.spec.vocab_size == words + 2
+    ids = text_lib.Vectorizer(a.vectorizer.vocabulary, 8)(tf.constant("Great, GREAT film!"))
+    great = a.vectorizer.vocabulary.index("great")
+    assert ids.numpy().tolist() == [great, great, a.vectorizer.vocabulary.index("film"),
+                                    0, 0, 0, 0, 0]
+    with pytest.raises(UsageError, match="--vocab_size=2 is too small"):
+        _inputs(tfds_dir, "tfdist_test_imdb", vocab_size=2)
+
+
+def test_vocabulary_file_round_trips_any_token(tmp_path):
+    vocabulary = ["", "[UNK]", "café", "a\x85b", "c\u2028d", "e\rf", "日本"]
+    path = str(tmp_path / "v" / "x-10.txt")
+    text_lib.write_vocabulary(path, vocabulary)
+    assert text_lib.read_vocabulary(path, 10) == vocabulary
+    assert os.listdir(tmp_path / "v") == ["x-10.txt"]  # no temporary left
+    assert text_lib.vocabulary_path("/m", "imdb_reviews/plain_text", 5) == \
+        "/m/vocabulary/imdb_reviews_plain_text-5.txt"
+
+
+def test_transformer_classifies_text_without_a_causal_mask():
+    spec = DatasetSpec("t", "text", (12,), 3, vocab_size=50)
+    model = models.build(ModelConfig(name="transformer", width=16, depth=2, num_heads=2), spec)
+    tokens = np.array([[5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                       [5, 6, 7, 8, 9, 0, 0, 0, 0, 0, 0, 0]], "int32")
+    logits = model(tokens)
+    assert logits.shape == (2, 3) and logits.dtype == "float32"
+    assert [model.get_layer(f"block{i}").causal for i in range(2)] == [False, False]
+    # Non-causal: a later position changes an earlier one's output (causal: not).
+    x = np.random.default_rng(0).normal(size=(1, 6, 16)).astype("float32")
+    changed = x.copy()
+    changed[0, 5] = -changed[0, 5]
+    for causal in (False, True):
+        block = transformer.DecoderBlock(16, 2, causal=causal)
+        moved = np.abs(block(changed)[0, 0] - block(x)[0, 0]).max()
+        assert (moved > 1e-4) == (not causal), (causal, moved)
+    # An all-padding text pools to zeros, not NaN.
+    assert np.isfinite(model(np.zeros((1, 12), "int32"))).all()
+    tokens_model = models.build(ModelConfig(name="transformer", width=16, depth=1, num_heads=2),
+                                DatasetSpec("k", "tokens", (12,), 50))
+    assert tokens_model.get_layer("block0").causal
+    assert tokens_model.output_shape == (None, 12, 50)
+    config = transformer.DecoderBlock(16, 2, causal=False, name="b").get_config()
+    assert transformer.DecoderBlock.from_config(config).causal is False
+
+
+def test_image_models_refuse_text_naming_the_transformer():
+    spec = DatasetSpec("imdb_reviews", "text", (32,), 2, vocab_size=100)
+    with pytest.raises(UsageError, match=r"--model=mlp needs a dataset of kind image.*text: "
+                                         r"a text dataset such as imdb_reviews with transformer"):
+        models.check_compatible(ModelConfig(name="mlp"), spec)
+
+
+def test_synthetic_text_spec_without_adapting(tfds_dir):
+    inputs = _inputs(tfds_dir, "tfdist_test_imdb", synthetic=True, vocab_size=77,
+                     sequence_length=9)
+    assert (inputs.spec.kind, inputs.spec.input_shape, inputs.spec.vocab_size) == \
+        ("text", (9,), 77)
+
+
+# -- preparing: offline fails fast ------------------------------------------
+
+def test_not_prepared_and_offline_fails_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(tfds_inputs, "network_reachable", lambda *a, **k: False)
+    with pytest.raises(UsageError) as error:
+        _inputs(str(tmp_path), "tfdist_test_train_only")
+    assert str(error.value) == (
+        f"--dataset=tfdist_test_train_only is not prepared in --data_dir={tmp_path} and cannot "
+        "be downloaded here (no network): on a machine with network run `tfds build "
+        f"tfdist_test_train_only --data_dir={tmp_path}` and copy {tmp_path} here")
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_not_prepared_and_online_lets_tfds_download(tmp_path, monkeypatch):
+    logged = []
+    monkeypatch.setattr(tfds_inputs, "network_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(tfds_inputs.logging, "info", lambda fmt, *a: logged.append(fmt % a))
+    inputs = _inputs(str(tmp_path), "tfdist_test_train_only")
+    assert inputs.spec.train_examples == 100
+    assert [line for line in logged if line.startswith(
+        f"Downloading and preparing --dataset=tfdist_test_train_only into --data_dir={tmp_path}")]
+
+
+def test_network_probe(monkeypatch):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        monkeypatch.setattr(tfds_inputs, "DOWNLOAD_HOST", "127.0.0.1")
+        monkeypatch.setattr(tfds_inputs, "DOWNLOAD_PORT", server.getsockname()[1])
+        for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(var, raising=False)
+        assert tfds_inputs.network_reachable(timeout=3)
+        port = server.getsockname()[1]
+    start = time.monotonic()
+    monkeypatch.setattr(tfds_inputs, "DOWNLOAD_PORT", port)  # closed now
+    assert not tfds_inputs.network_reachable(timeout=3)
+    monkeypatch.setenv("https_proxy", "http://proxy.invalid:3128")
+    assert tfds_inputs._probe_address() == ("proxy.invalid", 3128)
+    assert not tfds_inputs.network_reachable(timeout=3)
+    assert time.monotonic() - start < 7
+
+
+# -- the CLI, in fresh processes that cannot import the builders ------------
+
+def _summary(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _error_line(result):
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.integration
+def test_cli_trains_mnist_and_imdb_layouts_and_fails_fast_offline(tfds_dir, tmp_path):
+    common = [f"--data_dir={tfds_dir}", "--strategy=default", "--global_batch_size=32",
+              "--learning_rate=0.003"]
+    model_dir = tmp_path / "imdb_run"
+    imdb = common + ["--dataset=tfdist_test_imdb", "--model=transformer", "--model_width=32",
+                     "--model_depth=1", "--sequence_length=32", "--vocab_size=200",
+                     "--train_steps=100", f"--model_dir={model_dir}"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    start = time.monotonic()
+    mlp, cnn, text, unsupervised, offline = run_clis([
+        common + ["--dataset=tfdist_test_mnist", "--model=mlp", "--model_width=64",
+                  "--model_depth=1", "--train_steps=120"],
+        common + ["--dataset=tfdist_test_mnist", "--model=cnn", "--model_width=16",
+                  "--model_depth=1", "--image_size=16", "--train_steps=100"],
+        imdb,
+        [f"--data_dir={tfds_dir}", "--dataset=tfdist_test_unsupervised"],
+        [f"--data_dir={empty}", "--dataset=mnist"],
+    ], timeout=240)
+
+    assert _error_line(offline) == (
+        f"tfdist-train: error: --dataset=mnist is not prepared in --data_dir={empty} and "
+        "cannot be downloaded here (no network): on a machine with network run "
+        f"`tfds build mnist --data_dir={empty}` and copy {empty} here")
+    assert os.listdir(empty) == []
+    assert _error_line(unsupervised).startswith(
+        "tfdist-train: error: --dataset=tfdist_test_unsupervised has no supervised (input, "
+        "label) keys")
+
+    summary = _summary(mlp)
+    assert summary["dataset"] == "tfdist_test_mnist" and summary["steps"] == 120
+    assert summary["accuracy"] >= 0.8, summary  # 10 classes: chance is 0.1
+    summary = _summary(cnn)
+    assert summary["model"] == "cnn" and summary["accuracy"] >= 0.8, summary
+
+    summary = _summary(text)
+    assert summary["accuracy"] >= 0.75, summary  # 2 classes: chance is 0.5
+    vocabulary = model_dir / "vocabulary" / "tfdist_test_imdb-200.txt"
+    assert "written to " + str(vocabulary) in text.stderr
+    before = os.stat(vocabulary)
+
+    # Resumed (at its last step): the cached vocabulary is read, not adapted again,
+    # and the restored model evaluates as well on the same token ids.
+    (again,) = run_clis([imdb], timeout=180)
+    assert f"tokens from {vocabulary}" in again.stderr and "adapting" not in again.stderr
+    assert _summary(again)["accuracy"] == summary["accuracy"]
+    after = os.stat(vocabulary)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    print(f"CLI runs: {time.monotonic() - start:.1f} s")
