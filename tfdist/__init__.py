@@ -21,6 +21,15 @@ def shard(dataset, context):
     return _shard(dataset, context)
 
 
+def load_model(path, **kwargs):
+    """`keras.saving.load_model` with the bundled builders' layers registered."""
+    import keras
+
+    from tfdist import models
+    models.register_layers()
+    return keras.saving.load_model(path, **kwargs)
+
+
 def export(source, export_dir, **kwargs):
     """See `tfdist.api.export`: a RunResult or a model_dir -> model.keras + SavedModel."""
     from tfdist.api import export as _export
@@ -28,4 +37,4 @@ def export(source, export_dir, **kwargs):
 
 
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig",
-           "StrategyConfig", "TrainConfig", "UsageError", "export", "shard", "train"]
+           "StrategyConfig", "TrainConfig", "UsageError", "export", "load_model", "shard", "train"]

@@ -185,7 +185,7 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
         strategy.close()
 
 
-def _task(config: RunConfig, model, inputs, loss, metrics) -> Task:
+def _task(config: RunConfig, strategy, model, inputs, loss, metrics) -> Task:
     """The loss and metrics, checked against the data and the model's outputs."""
     tc = config.train
     if loss is None and getattr(model, "_compile_config", None) is None:
@@ -209,6 +209,7 @@ def _task(config: RunConfig, model, inputs, loss, metrics) -> Task:
                          f"{y_spec}; give one target per output")
     pred_spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), output)
     task.build(y_spec, pred_spec, w_spec, global_batch_size=tc.global_batch_size)
+    strategy.check_task(task, y_spec, pred_spec, w_spec)
     return task
 
 
@@ -293,7 +294,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
 
     steps = total_steps(tc, inputs.spec)
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
-    task = _task(config, model, inputs, loss, metrics)
+    task = _task(config, strategy, model, inputs, loss, metrics)
     if strategy.is_chief and tc.model_dir:
         export_lib.write_run_record(tc.model_dir, config, inputs.spec,
                                     builder=model_fn is None)

@@ -42,3 +42,11 @@ def build(config: ModelConfig, spec: DatasetSpec) -> "keras.Model":  # noqa: F82
 def layout_rules(config: ModelConfig) -> list:
     """The builder's DTensor layout rules: [(regex over variable path, spec)]."""
     return list(_module(config.name).layout_rules(config))
+
+
+def register_layers() -> None:
+    """Import every builder, registering their custom layers with Keras, so a
+    `model.keras` exported from a bundled builder loads with
+    `keras.saving.load_model` (or use `tfdist.load_model`)."""
+    for name in names():
+        _module(name)

@@ -16,11 +16,19 @@ import tensorflow as tf
 
 
 class Block(keras.layers.Layer):
-    """Subclasses implement `forward(x, training)`; `call` adds recomputation."""
+    """Subclasses implement `forward(x, training)`; `call` adds recomputation.
+
+    Subclasses register with `keras.saving.register_keras_serializable` and
+    extend `get_config` with their own arguments, so an exported
+    `model.keras` loads with `keras.saving.load_model` after `import tfdist.models`.
+    """
 
     def __init__(self, *, recompute: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.recompute = recompute
+
+    def get_config(self):
+        return {**super().get_config(), "recompute": self.recompute}
 
     def forward(self, x, training=None):
         raise NotImplementedError

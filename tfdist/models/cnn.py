@@ -27,6 +27,7 @@ def _batch_norm(name):
     return layers.BatchNormalization(momentum=0.9, name=name)
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class ResidualBlock(Block):
     """conv-BN-ReLU-conv-BN plus a (projected) shortcut, then ReLU."""
 
@@ -39,6 +40,9 @@ class ResidualBlock(Block):
         self.conv_b = layers.Conv2D(channels, 3, padding="same", use_bias=False, name="conv_b")
         self.bn_b = _batch_norm("bn_b")
         self.projection = None
+
+    def get_config(self):
+        return {**super().get_config(), "channels": self.channels, "strides": self.strides}
 
     def build(self, input_shape):
         if self.strides != 1 or input_shape[-1] != self.channels:

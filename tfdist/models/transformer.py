@@ -39,30 +39,40 @@ def layout_rules(config):
     ]
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class PositionEmbedding(layers.Layer):
     """Adds a learned embedding of each position to its token embedding."""
 
     def __init__(self, length, dim, **kwargs):
         super().__init__(**kwargs)
+        self.length, self.dim = length, dim
         self.embedding = layers.Embedding(length, dim, name="table")
+
+    def get_config(self):
+        return {**super().get_config(), "length": self.length, "dim": self.dim}
 
     def call(self, x):
         positions = ops.arange(ops.shape(x)[1])
         return x + ops.cast(self.embedding(positions), x.dtype)
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class DecoderBlock(Block):
     """Pre-norm self-attention (causal unless `causal=False`) and a 4x GELU FFN,
     each with a residual."""
 
     def __init__(self, width, num_heads, causal=True, **kwargs):
         super().__init__(**kwargs)
-        self.causal = causal
+        self.width, self.num_heads, self.causal = width, num_heads, causal
         self.ln1 = layers.LayerNormalization(epsilon=1e-5, name="ln1")
         self.attention = layers.MultiHeadAttention(num_heads, width // num_heads, name="attn")
         self.ln2 = layers.LayerNormalization(epsilon=1e-5, name="ln2")
         self.ffn_in = layers.Dense(4 * width, activation="gelu", name="ffn_in")
         self.ffn_out = layers.Dense(width, name="ffn_out")
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width, "num_heads": self.num_heads,
+                "causal": self.causal}
 
     def forward(self, x, training=None):
         y = self.ln1(x)
@@ -70,6 +80,7 @@ class DecoderBlock(Block):
         return x + self.ffn_out(self.ffn_in(self.ln2(x)))
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class MaskedAverage(layers.Layer):
     """Average of the states (batch, T, d) over the positions whose token id
     (batch, T) is not 0 (padding); an all-padding text averages to zeros."""

@@ -26,13 +26,15 @@ def _format(metrics: dict) -> str:
 class Progress:
     """Reports training progress (from the chief only, unless --log_all_ranks)."""
 
-    def __init__(self, total_steps: int, *, start: int = 0, enabled: bool = True):
+    def __init__(self, total_steps: int, *, start: int = 0, enabled: bool = True,
+                 metric_names=()):
         self.total_steps = total_steps
         self.enabled = enabled
         self._bar = None
         if enabled and sys.stdout.isatty():
             import keras
-            self._bar = keras.utils.Progbar(total_steps, unit_name="step", stateful_metrics=_METRICS)
+            names = (*_METRICS, *metric_names, *(f"test_{name}" for name in metric_names))
+            self._bar = keras.utils.Progbar(total_steps, unit_name="step", stateful_metrics=names)
             self._bar.update(start)
 
     def update(self, step: int, metrics: dict, *, log: bool = True) -> None:

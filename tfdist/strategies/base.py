@@ -123,6 +123,10 @@ class Strategy(abc.ABC):
     def check_config(self, config) -> None:
         """Raise `UsageError` for a `RunConfig` this engine cannot run."""
 
+    def check_task(self, task, y_spec, pred_spec, weight_spec) -> None:
+        """Raise `UsageError` for a loss or metric this engine cannot compute
+        (`task` has been built and traced on plain tensors already)."""
+
     def function(self, fn: Callable) -> Callable:
         """`fn` compiled for this engine (the trainer's in-graph loops).
 

@@ -320,9 +320,20 @@ class DTensorStrategy(Strategy):
             tf.data.experimental.AutoShardPolicy.DATA
         layouts = tf.nest.map_structure(
             lambda s: dtensor.Layout.batch_sharded(self.mesh, sharding.BATCH, s.shape.rank), spec)
-        return dtensor.DTensorDataset(dataset.unbatch().with_options(options), mesh=self.mesh,
-                                      layouts=layouts, global_batch_size=global_batch,
-                                      batch_dim=sharding.BATCH)
+        distributed = dtensor.DTensorDataset(dataset.unbatch().with_options(options),
+                                             mesh=self.mesh, layouts=layouts,
+                                             global_batch_size=global_batch,
+                                             batch_dim=sharding.BATCH)
+        if not (self._spec and self._spec.num_workers > 1):
+            # DTensor 2.21 counts the replicas' devices from *all* of the
+            # process's devices of the mesh's type (num_global_devices), not
+            # the mesh's: on a process with more devices than the mesh uses
+            # (4 CPUs, mesh batch:2,model:1) it takes each replica to span 2
+            # clients, repeats every batch and feeds every local replica the
+            # same examples. In one process no replica spans clients.
+            distributed._num_clients_per_replica = 1
+            distributed._partition_offset = 0
+        return distributed
 
     # -- stepping ----------------------------------------------------------
     def function(self, fn):
@@ -349,6 +360,27 @@ class DTensorStrategy(Strategy):
 
     def _all_reduce_sum(self, tensors):
         return list(tensors)   # one SPMD program over the global batch: already global
+
+    def check_task(self, task, y_spec, pred_spec, weight_spec) -> None:
+        """Run each metric's update once on the mesh: DTensor has no SPMD rule
+        for some ops Keras metrics use (AUC's ReverseV2 in 2.21), which would
+        otherwise fail the first training step."""
+        zeros = [tf.zeros([2, *s.shape[1:]], s.dtype) for s in (y_spec, pred_spec, weight_spec)]
+
+        def update(layout):
+            return lambda y, p, w: task.deltas_of(layout, y, p, w)
+
+        for name, layout in zip(task.metric_names, task.metric_layouts):
+            try:
+                with _quiet():
+                    self.function(update(layout))(*zeros)
+            except (tf.errors.OpError, ValueError, TypeError) as error:
+                text = str(getattr(error, "message", error)).strip().splitlines()
+                reason = next((line.split("error: ", 1)[-1] for line in text if "error:" in line),
+                              text[0] if text else type(error).__name__)
+                raise UsageError(f"metric {name!r} cannot run under --strategy=dtensor: "
+                                 f"{reason[:200]}; train it under mirrored, multi_worker or "
+                                 "horovod, or pick another metric") from None
 
     # -- introspection (--print_layouts, the run summary) -------------------
     def device_bytes(self, variables) -> int:

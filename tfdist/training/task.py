@@ -300,6 +300,14 @@ class Task:
         new = layout.metric.stateless_update_state(zeros, y, y_pred, sample_weight=weight)
         return [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in new]
 
+    @property
+    def metric_layouts(self) -> list:
+        return list(self._layouts)
+
+    def deltas_of(self, layout, y, y_pred, weight):
+        """One metric's state change for a batch (`metric_layouts` entry)."""
+        return self._deltas(layout, y, y_pred, weight)
+
     def metric_deltas(self, y, y_pred, weight):
         """The change this batch makes to every metric's state, as one vector."""
         parts = [d for layout in self._layouts for d in self._deltas(layout, y, y_pred, weight)]

@@ -364,7 +364,8 @@ class Trainer:
             [*self.model.variables, *self.optimizer.variables, self.step])
         step = int(self.strategy.to_host(self.step).numpy())
         iterator = self._make_data(step)
-        progress = Progress(self.total_steps, start=step, enabled=self._logs_here)
+        progress = Progress(self.total_steps, start=step, enabled=self._logs_here,
+                            metric_names=self.task.metric_names)
         timed_examples, timed_seconds, first_loop = 0, 0.0, True
         train_metrics, eval_metrics = {}, {}
         every = tc.grad_agreement_every
