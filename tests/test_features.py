@@ -88,7 +88,8 @@ def _reductions_in_one_step(config):
     trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
                       inputs=FunctionInputs(image_dataset_fn, IMAGE_SPEC), total_steps=5)
     per_replica = config.train.global_batch_size // adapter.num_replicas
-    batch = (tf.zeros((per_replica, 8, 8, 3)), tf.zeros((per_replica,), tf.int32))
+    batch = (tf.zeros((per_replica, 8, 8, 3)), tf.zeros((per_replica,), tf.int32),
+             tf.ones((per_replica,)))
     before = adapter.reductions_traced
     tf.function(lambda: adapter.run(trainer._replica_train_step, batch)).get_concrete_function()
     return adapter, adapter.reductions_traced - before

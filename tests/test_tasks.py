@@ -20,7 +20,6 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.data.function_inputs import shard
-from tfdist.data.spec import DatasetSpec
 
 from common import PREDICTION_TOLERANCE, assert_weights_close, mw_config
 from conftest import BIN, REPO

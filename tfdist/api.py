@@ -18,11 +18,10 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfdist import exporting as export_lib
 from tfdist import models, sharding, strategies
 from tfdist.checkpointing import Checkpointer, checkpoint_dir
 from tfdist.config import RunConfig
-from tfdist import exporting as export_lib
-from tfdist.data import inputs as inputs_lib
 from tfdist.data import tfds_inputs
 from tfdist.data.function_inputs import DatasetFn, FunctionInputs
 from tfdist.data.spec import DatasetSpec
@@ -30,7 +29,7 @@ from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import flops, hardware, logs, peak
 from tfdist.training import optimizers, xla
 from tfdist.training.precision import Precision
-from tfdist.training.task import Task, cli_loss, cli_metric
+from tfdist.training.task import Task, task_for
 from tfdist.training.trainer import Trainer, total_steps
 
 
@@ -175,7 +174,7 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
     if model_fn is None:
         models.check_name(config.model.name)
     if export_dir is not None:
-        config = config.replace(train=dataclasses.replace(config.train, export_dir=export_dir))
+        config = config.replace(train=config.train.replace(export_dir=export_dir))
     strategy = strategies.create(config.strategy)
     strategy.setup()
     logs.configure(strategy, log_all_ranks=config.train.log_all_ranks)
@@ -186,30 +185,9 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
 
 
 def _task(config: RunConfig, strategy, model, inputs, loss, metrics) -> Task:
-    """The loss and metrics, checked against the data and the model's outputs."""
-    tc = config.train
-    if loss is None and getattr(model, "_compile_config", None) is None:
-        loss = cli_loss(tc.loss, tc.label_smoothing)
-        if metrics is None:
-            metrics = [cli_metric(name) for name in tc.metrics]
-    task = Task.resolve(loss, metrics, model)
-    element = inputs_lib.with_weights(
-        inputs.examples("train", tf.distribute.InputContext())).element_spec
-    x_spec, y_spec, w_spec = (tf.nest.map_structure(
-        lambda s: tf.TensorSpec([None, *s.shape], s.dtype), part) for part in element)
-    try:
-        output = model.compute_output_spec(tf.nest.map_structure(
-            lambda s: keras.KerasTensor(s.shape, s.dtype), x_spec))
-    except Exception as error:  # noqa: BLE001  (a model that does not take these inputs)
-        raise UsageError(f"model {model.name} does not take the dataset's inputs {x_spec}: "
-                         f"{str(error).strip().splitlines()[0] if str(error).strip() else error}"
-                         ) from None
-    if isinstance(output, (list, tuple, dict)) and not isinstance(y_spec, type(output)):
-        raise UsageError(f"model {model.name} has several outputs but the targets are "
-                         f"{y_spec}; give one target per output")
-    pred_spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), output)
-    task.build(y_spec, pred_spec, w_spec, global_batch_size=tc.global_batch_size)
-    strategy.check_task(task, y_spec, pred_spec, w_spec)
+    """The loss and metrics, checked against the data, the model and the engine."""
+    task, specs = task_for(config, model, inputs, loss, metrics)
+    strategy.check_task(task, *specs)
     return task
 
 

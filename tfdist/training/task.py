@@ -359,3 +359,34 @@ def _first_line(error: BaseException) -> str:
             return line[:300]
     return type(error).__name__
 
+
+
+def task_for(config, model: keras.Model, inputs, loss=None, metrics=None):
+    """(the built `Task`, (targets, predictions, weights) specs) for training
+    `model` on `inputs` under `config`: `loss`/`metrics` as passed, else the
+    compiled model's, else `config.train.loss`/`metrics` (names, on logits).
+    Raises `UsageError` for a misfit."""
+    from tfdist.data import inputs as inputs_lib
+
+    tc = config.train
+    if loss is None and getattr(model, "_compile_config", None) is None:
+        loss = cli_loss(tc.loss, tc.label_smoothing)
+        if metrics is None:
+            metrics = [cli_metric(name) for name in tc.metrics]
+    task = Task.resolve(loss, metrics, model)
+    element = inputs_lib.with_weights(
+        inputs.examples("train", tf.distribute.InputContext())).element_spec
+    x_spec, y_spec, w_spec = (tf.nest.map_structure(
+        lambda s: tf.TensorSpec([None, *s.shape], s.dtype), part) for part in element)
+    try:
+        output = model.compute_output_spec(tf.nest.map_structure(
+            lambda s: keras.KerasTensor(s.shape, s.dtype), x_spec))
+    except Exception as error:  # noqa: BLE001  (a model that does not take these inputs)
+        raise UsageError(f"model {model.name} does not take the dataset's inputs {x_spec}: "
+                         f"{_first_line(error)}") from None
+    if isinstance(output, (list, tuple, dict)) and not isinstance(y_spec, type(output)):
+        raise UsageError(f"model {model.name} has several outputs but the targets are "
+                         f"{y_spec}; give one target per output")
+    pred_spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), output)
+    task.build(y_spec, pred_spec, w_spec, global_batch_size=tc.global_batch_size)
+    return task, (y_spec, pred_spec, w_spec)

@@ -28,7 +28,7 @@ from tfdist.errors import UsageError
 from tfdist.training import optimizers, xla
 from tfdist.training.compression import GradientCompression
 from tfdist.training.precision import Precision
-from tfdist.training.task import Task
+from tfdist.training.task import Task, task_for
 
 # The counters every replica step returns (summed across replicas in the
 # step's one reduction): the loss numerator and divisor (`Task.loss_terms`),
@@ -66,9 +66,10 @@ class Trainer:
                  flops_per_example: Optional[int] = None, peak_tflops: Optional[float] = None,
                  task: Optional[Task] = None):
         self.config = config
-        # The loss and metrics; `task.build` has seen the data's specs.
-        self.task = task
-        self._counters_size = _METRICS + task.metric_size
+        # The loss and metrics (built against the data's specs); default: the
+        # config's loss and metrics, or what `model.compile` was given.
+        self.task = task or task_for(config, model, inputs)[0]
+        self._counters_size = _METRICS + self.task.metric_size
         # Set while tracing the replica step: the global loss divisor when it
         # is known in advance (else the reduced gradient is rescaled), and
         # whether regularization gradients travel apart from the data's.
