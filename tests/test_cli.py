@@ -30,6 +30,9 @@ QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
     (["--no_such_flag=1"], "no_such_flag"),
     (["stray_argument"], "unexpected arguments 'stray_argument'"),
     (["--optimizer=rmsprop"], "--optimizer"),
+    (["--loss=hinge"], "--loss"),
+    (["--metrics=accuracy,auc"], "metrics='auc' is not known; valid: accuracy, top5_accuracy"),
+    (["--label_smoothing=0.1"], "label_smoothing=0.1 needs loss=categorical_crossentropy"),
     (["--strategy=dtensor", "--mesh=batch:2"], "--mesh='batch:2' must name exactly the axes batch "
                                                "and model"),
 ])
@@ -53,6 +56,8 @@ def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
          "--global_batch_size=7 must be divisible by replicas (2) x --accum_steps (1)"),
         ([f"--model_dir={a_file}/run", f"--data_dir={data_dir}"],
          f"--model_dir={a_file}/run is not a writable directory"),
+        ([f"--export_dir={a_file}", f"--data_dir={data_dir}"],
+         f"--export_dir={a_file} is a file; give a directory"),
         ([f"--data_dir={a_file}"], f"--dataset=tfdist_shapes: cannot"),
         (["--model=transformer", f"--data_dir={data_dir}"],
          "--model=transformer needs a dataset of kind tokens"),
@@ -120,3 +125,16 @@ def test_ctrl_c_keeps_last_checkpoint(tmp_path, data_dir):
     latest = tf.train.latest_checkpoint(checkpointing.checkpoint_dir(str(tmp_path)))
     reader = tf.train.load_checkpoint(latest)  # complete and readable
     assert any("step" in name for name in reader.get_variable_to_shape_map())
+
+
+def test_loss_and_metrics_flags(data_dir):
+    result = run_cli([*QUICK, "--strategy=default", f"--data_dir={data_dir}",
+                      "--loss=categorical_crossentropy", "--label_smoothing=0.1",
+                      "--metrics=accuracy,top5_accuracy,crossentropy"], timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["loss_function"] == "categorical_crossentropy"
+    assert summary["metrics"] == ["accuracy", "top5_accuracy", "crossentropy"]
+    for name in summary["metrics"]:
+        assert 0 <= summary[name] and 0 <= summary[f"train_{name}"], name
+    assert summary["top5_accuracy"] >= summary["accuracy"]

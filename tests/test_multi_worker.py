@@ -158,7 +158,7 @@ def test_restart_resumes_and_finishes_exactly(tmp_path, data_dir):
                          .split(" ", 2)[2])
     assert summary["steps"] == 200 and summary["workers"] == 2
     assert checkpointing.saved_steps(model_dir) == list(range(20, 201, 20))  # none lost or repeated
-    assert sorted(os.listdir(model_dir)) == ["checkpoints", "summary.json", "tensorboard"]
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "run.json", "summary.json", "tensorboard"]
 
 
 BAD_TF_CONFIGS = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Callable, Optional
 
 import keras
@@ -57,7 +58,7 @@ def export(source, export_dir: str, *, model_fn=None, spec=None) -> dict:
     return export_lib.export_checkpoint(str(source), export_dir, model_fn=model_fn, spec=spec)
 
 
-def check_model_dir(model_dir: Optional[str]) -> None:
+def check_model_dir(model_dir: Optional[str], flag: str = "--model_dir") -> None:
     """Fail early, before any training, if `model_dir` cannot be written."""
     if not model_dir:
         return
@@ -68,8 +69,21 @@ def check_model_dir(model_dir: Optional[str]) -> None:
             pass
         os.remove(probe)
     except OSError as error:
-        raise UsageError(f"--model_dir={model_dir} is not a writable directory: "
+        raise UsageError(f"{flag}={model_dir} is not a writable directory: "
                          f"{error.strerror or error}") from None
+
+
+def check_export_dir(export_dir: Optional[str]) -> None:
+    """The export is staged beside `export_dir`: its parent must be writable."""
+    if export_dir:
+        parent = os.path.dirname(os.path.abspath(export_dir))
+        if os.path.exists(export_dir) and not os.path.isdir(export_dir):
+            raise UsageError(f"--export_dir={export_dir} is a file; give a directory")
+        try:
+            check_model_dir(parent, "--export_dir")
+        except UsageError:
+            raise UsageError(f"--export_dir={export_dir}: its directory {parent} is not "
+                             "writable") from None
 
 
 def check_batch(config: RunConfig, replicas: int) -> None:
@@ -222,12 +236,17 @@ def _inputs(config: RunConfig, dataset_fn, spec):
     return tfds_inputs.load(config.data, model_dir=config.train.model_dir)
 
 
-def _metric_keys(metrics: dict) -> list:
-    """Metric names among a trainer's train metrics (not the loss or rates)."""
-    own = {"loss", "examples_per_sec", "tflops", "mfu", "learning_rate", "grad_norm",
-           "loss_scale"}
-    return [k for k in metrics if k not in own and not k.startswith("test_")
-            and k != "steps" and not k.startswith("grad_agreement")]
+def _metric_keys(task: Task, metrics: dict) -> list:
+    """The metric values among a trainer's results (train `NAME`, test
+    `test_NAME`; a vector-valued metric gives `NAME_0`, `NAME_1`, ...), also
+    when a resumed run trained no step and only evaluated."""
+    keys = []
+    for key in metrics:
+        name = key[len("test_"):] if key.startswith("test_") else key
+        if name not in keys and any(re.fullmatch(rf"{re.escape(m)}(_\d+)?", name)
+                                    for m in task.metric_names):
+            keys.append(name)
+    return keys
 
 
 def _serving_model(config: RunConfig, model_fn, spec) -> keras.Model:
@@ -267,6 +286,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
                          "trace into model_dir/tensorboard; set --model_dir")
     if strategy.is_chief:
         check_model_dir(tc.model_dir)
+        check_export_dir(tc.export_dir)
     inputs = _inputs(config, dataset_fn, spec)
     inputs.check_sharding(strategy.num_input_pipelines)
 
@@ -336,7 +356,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     }
     # Each metric: its last training value as train_NAME, its test value as
     # NAME (None without evaluation), e.g. train_accuracy and accuracy.
-    for name in _metric_keys(metrics):
+    for name in _metric_keys(task, metrics):
         key = name if name not in summary else f"metric_{name}"
         summary[f"train_{name}"] = metrics.get(name)
         summary[key] = metrics.get(f"test_{name}")

@@ -24,6 +24,11 @@ class SyntheticInputs(Inputs):
             x = tf.random.stateless_uniform((n, *spec.input_shape), (seed, 0), 0,
                                             spec.num_classes, dtype=tf.int32)
             y = tf.roll(x, shift=-1, axis=1)
+        elif spec.kind == "text":   # token ids of the vocabulary, one class per example
+            x = tf.random.stateless_uniform((n, *spec.input_shape), (seed, 0), 0,
+                                            spec.vocab_size, dtype=tf.int32)
+            y = tf.random.stateless_uniform((n,), (seed, 1), 0, spec.num_classes,
+                                            dtype=tf.int32)
         else:
             x = tf.random.stateless_uniform((n, *spec.input_shape), (seed, 0))
             y = tf.random.stateless_uniform((n,), (seed, 1), 0, spec.num_classes,
