@@ -141,8 +141,10 @@ def child(model, precision, strategy_name, seconds):
     spec, batch = _spec(model), BATCH[model]
     model_fn, dataset_fn = _model_fn(model), _dataset_fn(spec)
     inputs = FunctionInputs(dataset_fn, spec)
+    # tfdist's batches are (x, y, weight); fit gets (x, y), as a user would give it.
     data = inputs_lib.train_dataset_fn(inputs, global_batch_size=batch, seed=0,
                                        shuffle_buffer=10_000)(tf.distribute.InputContext())
+    data = data.map(lambda x, y, weight: (x, y))
     peak_tflops = peak.precision_peak_tflops(precision)
 
     def emit(variant, examples_per_sec=None, error=None, flops_per_example=None, **extra):
