@@ -50,7 +50,8 @@ def test_flag_name_clash_is_one_line_exit_2(tmp_path, order):
     result = _run([sys.executable, str(script)], timeout=60)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "learning_rate" in lines[0] and "rename" in lines[0], lines
+    assert len(lines) == 1 and "--learning_rate is defined twice" in lines[0], lines
+    assert "tfdist.flags" in lines[0] and "clash.py" in lines[0] and "rename yours" in lines[0]
 
 
 @pytest.mark.integration

@@ -15,6 +15,7 @@ program with one line naming it, exit status 2.
 
 from __future__ import annotations
 
+import re
 import sys
 
 from absl import flags
@@ -35,8 +36,12 @@ def _clash_hook(previous):
 
     def hook(kind, error, traceback):
         if issubclass(kind, flags.DuplicateFlagError):
-            print(f"error: {str(error).splitlines()[0]} tfdist defines the flags listed in "
-                  "its README (flag reference); rename your flag.", file=sys.stderr)
+            found = re.search(r"flag '([^']+)' is defined twice\. First from (.+?), "
+                              r"[Ss]econd from (.+?)\.(?:\s|$)", str(error))
+            what = (f"--{found[1]} is defined twice, by {found[2]} and by {found[3]}"
+                    if found else str(error).splitlines()[0])
+            print(f"error: {what}: tfdist defines the flags of its README's flag reference; "
+                  "rename yours", file=sys.stderr)
             sys.exit(2)
         previous(kind, error, traceback)
     return hook
