@@ -51,8 +51,10 @@ def _parser():
                         "default: ports picked by the OS")
     p.add_argument("--host", default="localhost",
                    help="host name or address written into TF_CONFIG (default localhost)")
-    p.add_argument("--grace_s", type=float, default=5.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
+    p.add_argument("--grace_s", type=float, default=30.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping workers: a "
+                        "tfdist-train worker saves a checkpoint and exits 143 within its "
+                        "--preemption_grace_s (default 25) of SIGTERM (default 30)")
     return p
 
 

@@ -24,6 +24,7 @@ from absl import app, flags, logging  # noqa: E402
 from tfdist import flags as tfdist_flags  # noqa: E402  (defines the flags)
 from tfdist import models, strategies  # noqa: E402  (registries; no TensorFlow yet)
 from tfdist.errors import UsageError, WorkerFault  # noqa: E402
+from tfdist.training.interrupts import PREEMPTED_EXIT, Preempted  # noqa: E402
 
 USAGE_ERROR = 2
 PROG = "tfdist-train"
@@ -49,7 +50,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def _guarded(main):
     """`main` with tfdist's exits: a `UsageError` is one line and status 2, a
-    `WorkerFault` one line and status 1 at once, Ctrl-C status 130."""
+    `WorkerFault` one line and status 1 at once, a preemption (SIGTERM) status
+    143 after its checkpoint, Ctrl-C status 130."""
 
     @functools.wraps(main)
     def guarded(argv):
@@ -65,6 +67,11 @@ def _guarded(main):
             sys.stderr.write(f"{_prog()}: fault: {fault}\n")
             sys.stderr.flush()
             os._exit(1)
+        except Preempted as preempted:
+            sys.stderr.write(f"{_prog()}: {preempted}\n")
+            sys.stderr.flush()
+            # At once, as for a fault: a peer may already be gone.
+            os._exit(PREEMPTED_EXIT)
         except KeyboardInterrupt:
             print(f"{_prog()}: interrupted; the last complete checkpoint (if any) is intact",
                   file=sys.stderr)

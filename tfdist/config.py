@@ -208,6 +208,8 @@ class TrainConfig(_Replace):
     # Reduce gradients in buckets of about this many MB, each issued as soon
     # as its gradients exist (overlapping the backward pass); 0: one reduction.
     reduce_bucket_mb: float = 0.0
+    # On SIGTERM: finish the current loop, save, exit 143, all within this time.
+    preemption_grace_s: float = 25.0
 
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)
@@ -247,6 +249,9 @@ class TrainConfig(_Replace):
         if isinstance(self.reduce_bucket_mb, bool) or not (
                 isinstance(self.reduce_bucket_mb, (int, float)) and self.reduce_bucket_mb >= 0):
             raise ConfigError(f"reduce_bucket_mb={self.reduce_bucket_mb!r} must be a number >= 0")
+        if isinstance(self.preemption_grace_s, bool) or not (
+                isinstance(self.preemption_grace_s, (int, float)) and self.preemption_grace_s > 0):
+            raise ConfigError(f"preemption_grace_s={self.preemption_grace_s!r} must be a number > 0")
 
 
 @dataclasses.dataclass(frozen=True)

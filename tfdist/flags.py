@@ -214,6 +214,11 @@ _SEQUENCE_LENGTH = flags.DEFINE_integer(
     "sequence_length", _DATA_DEFAULTS.sequence_length, "Text datasets: tokens per "
     "example (padded or cut).", lower_bound=1)
 
+_PREEMPTION_GRACE_S = flags.DEFINE_float(
+    "preemption_grace_s", _TRAIN_DEFAULTS.preemption_grace_s, "On SIGTERM every worker "
+    "finishes its current loop, saves one checkpoint at the same step and exits with status "
+    "143 within this many seconds (else exits 143 without saving).", lower_bound=0.1)
+
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", _TRAIN_DEFAULTS.model_dir, "Directory for checkpoints and summary.json; a run resumes from its "
     "latest checkpoint. Default: none (nothing written).")
@@ -281,7 +286,8 @@ def run_config() -> config_lib.RunConfig:
                 profile_steps=_profile_steps(), profile_all_ranks=_PROFILE_ALL_RANKS.value,
                 log_all_ranks=_LOG_ALL_RANKS.value,
                 grad_agreement_every=_GRAD_AGREEMENT_EVERY.value,
-                reduce_bucket_mb=_REDUCE_BUCKET_MB.value),
+                reduce_bucket_mb=_REDUCE_BUCKET_MB.value,
+                preemption_grace_s=_PREEMPTION_GRACE_S.value),
         )
     except config_lib.ConfigError as error:  # a rule flags alone cannot express
         raise UsageError(str(error)) from None

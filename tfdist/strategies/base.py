@@ -96,6 +96,10 @@ class Strategy(abc.ABC):
         """Only the chief writes checkpoints, summaries and the run summary."""
         return self.worker_index == 0
 
+    def describe_process(self) -> str:
+        """This process in messages, e.g. "worker 1" or "rank 0"."""
+        return f"{self.process_unit} {self.worker_index}"
+
     def describe(self) -> str:
         """One line naming the engine and its devices, for the start-up log."""
         return f"{self.name}: {self.num_replicas} replica(s)"
@@ -177,6 +181,21 @@ class Strategy(abc.ABC):
             for position, value in zip(positions, summed):
                 reduced[position] = value
         return reduced
+
+    def any_worker(self, flag: bool) -> bool:
+        """Whether `flag` is set on any worker (all workers call this together,
+        between loops): one small collective where there are several processes."""
+        import tensorflow as tf
+        if self.num_workers == 1:
+            return bool(flag)
+        if getattr(self, "_any_worker_fn", None) is None:
+            def agree(value):
+                # tf.identity: a replica's own copy (MultiWorkerMirroredStrategy
+                # cannot all-reduce a host input: "destinations can not be empty").
+                return self.run(lambda v: self.all_reduce_sum([tf.identity(v)])[0], value)
+            self._any_worker_fn = self.function(agree)
+        total = self._any_worker_fn(tf.constant(1.0 if flag else 0.0))
+        return float(self.to_host(total).numpy()) > 0
 
     def replica_id(self):
         """This replica's index in [0, num_replicas) (called in replica context)."""

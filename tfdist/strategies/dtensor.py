@@ -358,6 +358,12 @@ class DTensorStrategy(Strategy):
     def run(self, replica_fn, *args):
         return replica_fn(*args)
 
+    def any_worker(self, flag: bool) -> bool:
+        """Each process decides alone: a per-process value has no DTensor layout
+        whose sum the SPMD program would take. (A preempted client that stops
+        makes its peers' next collective fail, which names it.)"""
+        return bool(flag)
+
     def _all_reduce_sum(self, tensors):
         return list(tensors)   # one SPMD program over the global batch: already global
 

@@ -27,6 +27,7 @@ from tfdist.strategies.base import Strategy
 from tfdist.errors import UsageError
 from tfdist.training import optimizers, xla
 from tfdist.training.compression import GradientCompression
+from tfdist.training.interrupts import Preempted, StopSignals
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
 
@@ -354,6 +355,17 @@ class Trainer:
         metrics.update({f"grad_agreement_replica_{i}": c for i, c in enumerate(cosines)})
         return metrics
 
+    def _check_signals(self, signals: StopSignals, step: int) -> None:
+        """After a loop: Ctrl-C stops here; SIGTERM on any worker makes every
+        worker save at this same step and stop (`interrupts.py`)."""
+        if signals.interrupted:
+            raise KeyboardInterrupt
+        if step < self.total_steps and self.strategy.any_worker(signals.preempted):
+            saved = self.checkpointer.save(step) if self.checkpointer else None
+            if saved is None and self.checkpointer and not self.strategy.is_chief:
+                saved = "(by the chief)"
+            raise Preempted(step, saved)
+
     def fit(self) -> dict:
         """Train to `total_steps` (resuming from the latest checkpoint); return metrics."""
         tc = self.train_config
@@ -370,7 +382,9 @@ class Trainer:
         timed_examples, timed_seconds, first_loop = 0, 0.0, True
         train_metrics, eval_metrics = {}, {}
         every = tc.grad_agreement_every
+        signals = StopSignals(tc.preemption_grace_s, describe=self.strategy.describe_process)
         try:
+            signals.__enter__()
             while step < self.total_steps:
                 stop = self._next_stop(step)
                 self.profiler.before_loop(step)
@@ -410,9 +424,11 @@ class Trainer:
                 progress.update(step, {**train_metrics, **eval_metrics},
                                 log=not tc.log_every or step % tc.log_every == 0
                                 or step == self.total_steps)
+                self._check_signals(signals, step)
             if not eval_metrics and self.inputs.has_eval:
                 eval_metrics = self.evaluate()  # resumed at the final step: still report accuracy
         finally:
+            signals.__exit__(None, None, None)
             self.profiler.stop()
             self.tensorboard.close()
         if timed_seconds:

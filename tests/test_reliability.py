@@ -1,0 +1,118 @@
+"""Preemption: SIGTERM makes every worker save at the same step and exit 143;
+a re-run (or tfdist-launch --max_restarts) resumes and ends at exactly the
+requested step; saved steps never go backwards."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tfdist import checkpointing
+from tfdist.training.interrupts import PREEMPTED_EXIT
+
+from conftest import BIN, REPO
+from test_multi_worker import _children, _wait_for_checkpoint
+
+pytestmark = pytest.mark.integration
+TRAIN = os.path.join(BIN, "tfdist-train")
+LAUNCH = os.path.join(BIN, "tfdist-launch")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+GRACE_S = 20
+
+
+def _args(strategy, model_dir, data_dir, steps=300):
+    return [TRAIN, f"--strategy={strategy}", "--model=mlp", "--model_width=32",
+            "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=50",
+            "--keep_checkpoints=100", f"--train_steps={steps}", f"--data_dir={data_dir}",
+            f"--model_dir={model_dir}", f"--preemption_grace_s={GRACE_S}",
+            "--collective_timeout_s=30"]
+
+
+def _start(command):
+    return subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _preempted_steps(stderr):
+    return [int(s) for s in re.findall(r"preempted \(SIGTERM\) at step (\d+)", stderr)]
+
+
+def _finish(command, model_dir, steps=300):
+    """Re-run: it resumes and ends at exactly `steps`; no saved step went backwards."""
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads([line for line in result.stdout.splitlines() if "{" in line][-1]
+                         .split("] ", 1)[-1])
+    assert summary["steps"] == steps
+    saved = checkpointing.saved_steps(model_dir)
+    assert saved == sorted(set(saved)) and saved[-1] == steps, saved
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_saves_exits_143_and_a_rerun_finishes(tmp_path, data_dir):
+    model_dir = str(tmp_path / "run")
+    command = _args("default", model_dir, data_dir)
+    proc = _start(command)
+    try:
+        _wait_for_checkpoint(model_dir, proc)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=GRACE_S + 10)
+    finally:
+        proc.kill()
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert time.monotonic() - sent < GRACE_S
+    [step] = _preempted_steps(err)
+    assert step % 10 == 0 and step in checkpointing.saved_steps(model_dir)
+    assert [line for line in err.splitlines() if "preempted" in line][-1].startswith(
+        "tfdist-train: preempted (SIGTERM) at step")
+    _finish(command, model_dir)
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_one_worker_stops_all_at_one_step_and_launch_restarts(tmp_path, data_dir):
+    """Kubernetes evicts one pod: both workers save the same step, exit 143, and
+    tfdist-launch --max_restarts resumes the group to the requested step."""
+    model_dir = str(tmp_path / "run")
+    proc = _start([LAUNCH, "--workers=2", "--max_restarts=1", "--",
+                   *_args("multi_worker", model_dir, data_dir)])
+    try:
+        _wait_for_checkpoint(model_dir, proc)
+        workers = sorted(_children(proc.pid))
+        os.kill(workers[1], signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    steps = _preempted_steps(err)
+    assert len(steps) == 2 and steps[0] == steps[1], err[-3000:]   # both, at one step
+    assert "worker 1 exited with status 143" in err and "restarting all workers" in err
+    summary = json.loads([l for l in out.splitlines() if l.startswith("[worker 0] {")][-1]
+                         .split(" ", 2)[2])
+    assert summary["steps"] == 300
+    saved = checkpointing.saved_steps(model_dir)
+    assert steps[0] in saved and saved == sorted(set(saved)) and saved[-1] == 300
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_launch_stops_the_group_with_143_and_a_rerun_finishes(tmp_path, data_dir):
+    model_dir = str(tmp_path / "run")
+    command = [LAUNCH, "--workers=2", "--", *_args("multi_worker", model_dir, data_dir)]
+    proc = _start(command)
+    try:
+        _wait_for_checkpoint(model_dir, proc)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=GRACE_S + 20)
+    finally:
+        proc.kill()
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert time.monotonic() - sent < GRACE_S + 5
+    steps = _preempted_steps(err)
+    assert len(steps) == 2 and steps[0] == steps[1], err[-3000:]
+    _finish(command, model_dir)
