@@ -1,7 +1,10 @@
 """Checkpoints restore across strategies; a resumed run ends at the requested step."""
 
+import os
+
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from tfdist import checkpointing, models
@@ -50,3 +53,52 @@ def test_resume_continues_from_saved_step(tmp_path):
     fresh = _train(run_config("mirrored", steps=4, steps_per_loop=2))
     assert not np.allclose(resumed.model.predict(PROBE, verbose=0),
                            fresh.model.predict(PROBE, verbose=0), atol=1e-4)
+
+
+def _damage(model_dir, step, how):
+    prefix = f"{checkpointing.checkpoint_dir(model_dir)}/ckpt-{step}"
+    if how == "truncated":
+        data = f"{prefix}.data-00000-of-00001"
+        with open(data, "r+b") as f:
+            f.truncate(os.path.getsize(data) // 2)
+    elif how == "corrupted":
+        with open(f"{prefix}.index", "r+b") as f:
+            f.seek(0)
+            f.write(b"\xff" * 64)
+    else:   # the index file itself is garbage: checkpoints are found by their files
+        with open(f"{checkpointing.checkpoint_dir(model_dir)}/checkpoint", "w") as f:
+            f.write("model_checkpoint_path: \x00garbage {{{")
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupted", "index"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, how, caplog):
+    """A truncated or corrupted newest checkpoint: restore warns, takes the
+    previous one, and the run still ends at the requested step with the
+    damaged checkpoint rewritten."""
+    model_dir = str(tmp_path)
+    mlp = dict(model="mlp", width=8, depth=1, steps_per_loop=10, checkpoint_every=10)
+    first = _train(run_config("default", steps=20, model_dir=model_dir, **mlp))
+    assert checkpointing.saved_steps(model_dir) == [10, 20]
+    _damage(model_dir, 20, how)
+    resumed = _train(run_config("default", steps=30, model_dir=model_dir, **mlp))
+    assert resumed.summary["steps"] == 30
+    warnings = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    if how == "index":   # a garbage index loses no checkpoint: they are found by their files
+        assert not warnings
+    else:
+        assert len(warnings) == 1 and "ckpt-20 cannot be read" in warnings[0], warnings
+        assert warnings[0].endswith("falling back to " + os.path.join(
+            checkpointing.checkpoint_dir(model_dir), "ckpt-10"))
+    assert checkpointing.saved_steps(model_dir) == [10, 20, 30]
+    for step in (10, 20, 30):   # every kept checkpoint is readable again
+        tf.train.load_checkpoint(f"{checkpointing.checkpoint_dir(model_dir)}/ckpt-{step}")
+    del first
+
+
+def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    model_dir = str(tmp_path)
+    mlp = dict(model="mlp", width=8, depth=1, steps_per_loop=10, checkpoint_every=10)
+    _train(run_config("default", steps=10, model_dir=model_dir, **mlp))
+    _damage(model_dir, 10, "truncated")
+    with pytest.raises(tfdist.UsageError, match="none of its 1 checkpoint"):
+        _train(run_config("default", steps=20, model_dir=model_dir, **mlp))

@@ -116,3 +116,46 @@ def test_sigterm_to_launch_stops_the_group_with_143_and_a_rerun_finishes(tmp_pat
     steps = _preempted_steps(err)
     assert len(steps) == 2 and steps[0] == steps[1], err[-3000:]
     _finish(command, model_dir)
+
+
+def _mount_tmpfs(path, size_bytes):
+    os.makedirs(path, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                             str(path)], capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.strip()})")
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, data_dir):
+    """--model_dir fills up: the run ends with one fault line naming the step
+    that could not be saved; the previous checkpoint is intact and readable."""
+    import tensorflow as tf
+
+    probe_dir = tmp_path / "probe"
+    args = ["--strategy=default", "--model=mlp", "--model_width=16", "--model_depth=1",
+            "--global_batch_size=16", "--steps_per_loop=10", "--checkpoint_every=10",
+            "--keep_checkpoints=100", f"--data_dir={data_dir}"]
+    probe = subprocess.run([TRAIN, *args, "--train_steps=10", f"--model_dir={probe_dir}"],
+                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    size = sum(os.path.getsize(p) for p in
+               (probe_dir / "checkpoints").glob("ckpt-10.*"))
+    model_dir = tmp_path / "small"
+    _mount_tmpfs(model_dir, int(2.6 * size) + 64 * 1024)   # two checkpoints and the logs
+    try:
+        result = subprocess.run([TRAIN, *args, "--train_steps=200", f"--model_dir={model_dir}"],
+                                cwd=REPO, env=ENV, capture_output=True, text=True, timeout=200)
+        assert result.returncode == 1, result.stderr[-3000:]
+        faults = [l for l in result.stderr.splitlines() if l.startswith("tfdist-train: fault:")]
+        assert len(faults) == 1, result.stderr[-3000:]
+        assert "cannot save the checkpoint of step" in faults[0] and "is intact" in faults[0]
+        saved = checkpointing.saved_steps(str(model_dir))
+        assert saved and saved == sorted(saved)
+        latest = tf.train.latest_checkpoint(checkpointing.checkpoint_dir(str(model_dir)))
+        assert f"ckpt-{saved[-1]}" in faults[0]
+        reader = tf.train.load_checkpoint(latest)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)   # complete, not half-written
+    finally:
+        subprocess.run(["umount", str(model_dir)], capture_output=True)

@@ -1,19 +1,42 @@
 """Checkpoints of model, optimizer and step, written only by the chief.
 
-`tf.train.CheckpointManager` writes each checkpoint's files first and updates
-the `checkpoint` index last, so an interrupted save (Ctrl-C, a killed worker)
-leaves the index pointing at the last complete checkpoint.
+A save writes the checkpoint's files, reads them back (the index and every
+tensor's entry), and only then updates the `checkpoint` index and deletes
+checkpoints beyond `keep`: an interrupted or failed save (Ctrl-C, a killed
+worker, a full or read-only disk) never touches the previous checkpoints, and
+the index never points at a checkpoint that cannot be read. A restore tries
+the newest checkpoint first and falls back, with a warning, to older ones
+when one is truncated or corrupted.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import tempfile
 from typing import Optional
 
 import tensorflow as tf
 from absl import logging
+
+from tfdist.errors import UsageError, WorkerFault
+
+_PREFIX = "ckpt"
+
+
+class CheckpointWriteError(WorkerFault):
+    """A checkpoint could not be written (the previous ones are intact)."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(getattr(error, "message", error)).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+def _step_of(path: str) -> int:
+    return int(path.rsplit("-", 1)[1])
 
 
 class Checkpointer:
@@ -27,39 +50,119 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep: int, is_chief: bool, **trackables):
         self.directory = directory
+        self.keep = keep
         self.is_chief = is_chief
         self.checkpoint = tf.train.Checkpoint(**trackables)
-        self.manager = None
-        if is_chief:
-            self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=keep)
+        self._current: Optional[str] = None   # saved or restored by this process
+
+    # -- what is there ---------------------------------------------------------
+    def candidates(self) -> list[str]:
+        """Checkpoint prefixes in `directory`, newest first: those the index
+        lists, and any other complete-looking ones (an index lost or damaged)."""
+        listed = []
+        try:
+            state = tf.train.get_checkpoint_state(self.directory)
+            if state:
+                listed = list(state.all_model_checkpoint_paths)
+        except Exception as error:  # noqa: BLE001  (a corrupted index file)
+            logging.warning("checkpoint index in %s is damaged (%s); looking at the files",
+                            self.directory, _first_line(error))
+        found = [path[:-len(".index")] for path in
+                 glob.glob(os.path.join(self.directory, f"{_PREFIX}-*.index"))]
+        paths = {os.path.join(self.directory, os.path.basename(p)) for p in listed + found}
+        paths = [p for p in paths if re.fullmatch(rf"{_PREFIX}-\d+", os.path.basename(p))]
+        return sorted(paths, key=_step_of, reverse=True)
 
     @property
     def latest(self) -> Optional[str]:
         return tf.train.latest_checkpoint(self.directory)
 
+    # -- restore -----------------------------------------------------------------
     def restore_latest(self) -> Optional[str]:
-        """Restore the newest checkpoint if there is one; return its path."""
-        path = self.latest
-        if path:
-            # expect_partial: optimizer slots of a different optimizer config, or
-            # a checkpoint without them, must not abort a resume.
-            self.checkpoint.restore(path).expect_partial()
-            logging.info("restored %s", path)
-        return path
+        """Restore the newest readable checkpoint; return its path (None: none).
 
+        A truncated or corrupted checkpoint is skipped with a warning; if
+        checkpoints exist but none can be read, that is an error (training
+        from scratch over them would silently throw the run away)."""
+        candidates = self.candidates()
+        for path in candidates:
+            try:
+                # expect_partial: optimizer slots of a different optimizer
+                # config, or a checkpoint without them, must not abort a resume.
+                self.checkpoint.restore(path).expect_partial()
+            except Exception as error:  # noqa: BLE001  (damage shows as OpError, IndexError, ...)
+                older = [p for p in candidates if _step_of(p) < _step_of(path)]
+                logging.warning("checkpoint %s cannot be read (%s); %s", path,
+                                _first_line(error),
+                                f"falling back to {older[0]}" if older else "no older one")
+                continue
+            logging.info("restored %s", path)
+            self._current = path
+            return path
+        if candidates:
+            raise UsageError(f"--model_dir={os.path.dirname(self.directory)}: none of its "
+                             f"{len(candidates)} checkpoint(s) can be read (damaged); move "
+                             f"{self.directory} away to train from scratch")
+        return None
+
+    # -- save --------------------------------------------------------------------
     def save(self, step: int) -> Optional[str]:
         if not self.is_chief:
             scratch = tempfile.mkdtemp(prefix="tfdist-worker-ckpt-")
             try:
-                self.checkpoint.write(os.path.join(scratch, "ckpt"))
+                self.checkpoint.write(os.path.join(scratch, _PREFIX))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             return None
-        if self.latest and self.latest.endswith(f"-{step}"):
-            return self.latest  # already saved at this step
-        path = self.manager.save(checkpoint_number=step)
-        logging.info("saved %s", path)
-        return path
+        path = os.path.join(self.directory, f"{_PREFIX}-{step}")
+        if self._current == path:
+            return path  # this state is that checkpoint already (saved or restored here)
+        try:
+            written = self.checkpoint.write(path)
+            _verify(written)
+        except (tf.errors.OpError, OSError, ValueError) as error:
+            _remove(path)
+            previous = self.latest
+            raise CheckpointWriteError(
+                f"cannot save the checkpoint of step {step} in {self.directory}: "
+                f"{_first_line(error)}; "
+                + (f"the previous checkpoint {os.path.basename(previous)} is intact"
+                   if previous else "no earlier checkpoint exists")) from None
+        kept = [p for p in self.candidates() if p != written][:self.keep - 1]
+        kept = sorted([written, *kept], key=_step_of)
+        try:
+            # The index last: it only ever names complete, readable checkpoints.
+            tf.compat.v1.train.update_checkpoint_state(
+                self.directory, written, all_model_checkpoint_paths=kept)
+        except (tf.errors.OpError, OSError) as error:
+            _remove(written)
+            raise CheckpointWriteError(
+                f"cannot update the checkpoint index in {self.directory}: "
+                f"{_first_line(error)}; the previous checkpoints are intact") from None
+        for old in self.candidates():
+            if old not in kept:
+                _remove(old)
+        logging.info("saved %s", written)
+        self._current = written
+        return written
+
+
+def _verify(path: str) -> None:
+    """Read a written checkpoint back: its index and each tensor's entry."""
+    reader = tf.train.load_checkpoint(path)
+    names = reader.get_variable_to_shape_map()
+    if not names:
+        raise ValueError(f"{path} holds no tensors")
+    for name in names:
+        reader.get_tensor(name)
+
+
+def _remove(path: str) -> None:
+    for name in glob.glob(f"{path}.*"):
+        try:
+            os.remove(name)
+        except OSError:
+            pass
 
 
 def checkpoint_dir(model_dir: str) -> str:
@@ -71,4 +174,4 @@ def saved_steps(model_dir: str) -> list[int]:
     state = tf.train.get_checkpoint_state(checkpoint_dir(model_dir))
     if not state:
         return []
-    return [int(p.rsplit("-", 1)[1]) for p in state.all_model_checkpoint_paths]
+    return [_step_of(p) for p in state.all_model_checkpoint_paths]
