@@ -343,6 +343,8 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         "flops_per_example": flops_per_example,
         "jit_compile": trainer.jit_level,
         "grad_norm": metrics.get("grad_norm"),
+        "nonfinite_steps": trainer.nonfinite_steps,   # --on_nonfinite=skip/rollback
+        "rollbacks": trainer.rollbacks,
         **trainer.grad_agreement,
         "precision": tc.precision,
         "learning_rate": peak_lr,

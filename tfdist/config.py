@@ -9,6 +9,8 @@ turns `ConfigError` into a one-line message and exit status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Optional
 
 from tfdist import sharding
@@ -22,6 +24,7 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 LR_SCALING = ("none", "linear", "sqrt")
 LR_DECAY = ("constant", "cosine")
 JIT_COMPILE = ("auto", "on", "off")
+ON_NONFINITE = ("stop", "skip", "rollback")
 # Losses and metrics by name for models that end in logits over classes (the
 # bundled builders; `tfdist.train` also takes any Keras loss and metrics).
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy",
@@ -34,16 +37,35 @@ def _one_of(name: str, value, valid) -> None:
         raise ConfigError(f"{name}={value!r} is not known; valid: {', '.join(valid)}")
 
 
+# Integers end up in TensorFlow int64 tensors (and the seed in NumPy's
+# 32-bit legacy seeding), so larger ones fail deep inside a run.
+INT_MAX = 2**63 - 1
+SEED_MAX = 2**32 - 1
+
+
+def _too_large(name: str, value, most: int) -> None:
+    if value > most:
+        raise ConfigError(f"{name}={value!r} is too large; at most {most}")
+
+
 def _positive(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
+    _too_large(name, value, INT_MAX)
 
 
-def _non_negative(name: str, value) -> None:
+def _non_negative(name: str, value, most: int = INT_MAX) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+    _too_large(name, value, most)
+
+
+def _finite(value) -> bool:
+    """A real number other than inf and nan (nan and inf pass `> 0` checks)."""
+    return (not isinstance(value, bool) and isinstance(value, numbers.Real)
+            and math.isfinite(value))
 
 
 class _Replace:
@@ -78,8 +100,9 @@ class StrategyConfig(_Replace):
         if self.collective not in COLLECTIVES:
             raise ConfigError(f"collective={self.collective!r} is not known; valid: "
                               f"{', '.join(COLLECTIVES)}")
-        if not self.collective_timeout_s > 0:
-            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s!r} must be > 0")
+        if not (_finite(self.collective_timeout_s) and self.collective_timeout_s > 0):
+            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s!r} must be a "
+                              "finite number > 0")
         _non_negative("bytes_per_pack", self.bytes_per_pack)
         try:
             sharding.parse_mesh(self.mesh)
@@ -155,18 +178,19 @@ class OptimizerConfig(_Replace):
         if self.name not in OPTIMIZERS:
             raise ConfigError(
                 f"optimizer={self.name!r} is not known; valid: {', '.join(OPTIMIZERS)}")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate={self.learning_rate!r} must be > 0")
+        if not (_finite(self.learning_rate) and self.learning_rate > 0):
+            raise ConfigError(f"learning_rate={self.learning_rate!r} must be a finite number > 0")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"weight_decay={self.weight_decay!r} must be a finite number >= 0")
         _one_of("lr_scaling", self.lr_scaling, LR_SCALING)
         _one_of("lr_decay", self.lr_decay, LR_DECAY)
         _positive("base_batch_size", self.base_batch_size)
         _non_negative("warmup_steps", self.warmup_steps)
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be > 0")
+        if self.clip_grad_norm is not None and not (
+                _finite(self.clip_grad_norm) and self.clip_grad_norm > 0):
+            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +234,12 @@ class TrainConfig(_Replace):
     reduce_bucket_mb: float = 0.0
     # On SIGTERM: finish the current loop, save, exit 143, all within this time.
     preemption_grace_s: float = 25.0
+    # A non-finite loss: stop (one line naming the step and the last good
+    # checkpoint), skip that update (every replica agrees), or rollback to the
+    # last checkpoint and go on past the offending batches (at most
+    # max_rollbacks times; needs model_dir).
+    on_nonfinite: str = "stop"
+    max_rollbacks: int = 3
 
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)
@@ -228,7 +258,7 @@ class TrainConfig(_Replace):
         _non_negative("log_every", self.log_every)
         _non_negative("checkpoint_every", self.checkpoint_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
-        _non_negative("seed", self.seed)
+        _non_negative("seed", self.seed, most=SEED_MAX)
         _one_of("loss", self.loss, LOSSES)
         for metric in self.metrics:
             _one_of("metrics", metric, METRICS)
@@ -246,12 +276,17 @@ class TrainConfig(_Replace):
                 raise ConfigError(f"profile_steps={self.profile_steps!r} must be two steps "
                                   "A,B with 1 <= A <= B, e.g. 20,25")
         _non_negative("grad_agreement_every", self.grad_agreement_every)
-        if isinstance(self.reduce_bucket_mb, bool) or not (
-                isinstance(self.reduce_bucket_mb, (int, float)) and self.reduce_bucket_mb >= 0):
-            raise ConfigError(f"reduce_bucket_mb={self.reduce_bucket_mb!r} must be a number >= 0")
-        if isinstance(self.preemption_grace_s, bool) or not (
-                isinstance(self.preemption_grace_s, (int, float)) and self.preemption_grace_s > 0):
-            raise ConfigError(f"preemption_grace_s={self.preemption_grace_s!r} must be a number > 0")
+        if not (_finite(self.reduce_bucket_mb) and self.reduce_bucket_mb >= 0):
+            raise ConfigError(f"reduce_bucket_mb={self.reduce_bucket_mb!r} must be a finite "
+                              "number >= 0")
+        _one_of("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        _non_negative("max_rollbacks", self.max_rollbacks)
+        if self.on_nonfinite == "rollback" and not self.model_dir:
+            raise ConfigError("on_nonfinite='rollback' restores the last checkpoint: set "
+                              "model_dir (or use on_nonfinite=skip)")
+        if not (_finite(self.preemption_grace_s) and self.preemption_grace_s > 0):
+            raise ConfigError(f"preemption_grace_s={self.preemption_grace_s!r} must be a finite "
+                              "number > 0")
 
 
 @dataclasses.dataclass(frozen=True)

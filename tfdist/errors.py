@@ -19,3 +19,7 @@ class WorkerFault(Exception):
     The message names the failing worker; the CLI prints it and exits with
     status 1 at once, since a cluster with a dead member cannot continue.
     """
+
+
+class NonFiniteLoss(WorkerFault):
+    """The loss became NaN or infinite (`--on_nonfinite=stop`, or too many rollbacks)."""

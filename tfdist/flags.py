@@ -92,9 +92,11 @@ _PRINT_LAYOUTS = flags.DEFINE_boolean(
 
 _MODEL = flags.DEFINE_string("model", _MODEL_DEFAULTS.name, "Model builder: mlp, cnn, transformer.")
 _MODEL_WIDTH = flags.DEFINE_integer(
-    "model_width", _MODEL_DEFAULTS.width, "Hidden units (mlp), base channels (cnn), model dim (transformer).", lower_bound=1)
+    "model_width", _MODEL_DEFAULTS.width, "Hidden units (mlp), base channels (cnn), model dim (transformer).", lower_bound=1,
+    upper_bound=config_lib.INT_MAX)  # bounded here: its RunConfig field is `width`
 _MODEL_DEPTH = flags.DEFINE_integer(
-    "model_depth", _MODEL_DEFAULTS.depth, "Hidden layers (mlp), residual blocks per stage (cnn), blocks (transformer).", lower_bound=1)
+    "model_depth", _MODEL_DEFAULTS.depth, "Hidden layers (mlp), residual blocks per stage (cnn), blocks (transformer).", lower_bound=1,
+    upper_bound=config_lib.INT_MAX)  # bounded here: its RunConfig field is `depth`
 _NUM_HEADS = flags.DEFINE_integer("num_heads", _MODEL_DEFAULTS.num_heads, "Attention heads (transformer).", lower_bound=1)
 
 _DATASET = flags.DEFINE_string(
@@ -219,6 +221,15 @@ _PREEMPTION_GRACE_S = flags.DEFINE_float(
     "finishes its current loop, saves one checkpoint at the same step and exits with status "
     "143 within this many seconds (else exits 143 without saving).", lower_bound=0.1)
 
+_ON_NONFINITE = flags.DEFINE_enum(
+    "on_nonfinite", _TRAIN_DEFAULTS.on_nonfinite, list(config_lib.ON_NONFINITE),
+    "A step whose loss is NaN or infinite: stop (one line naming the step and the last "
+    "good checkpoint), skip its update (all replicas agree), or rollback to the last "
+    "checkpoint and continue past the offending batches (needs --model_dir).")
+_MAX_ROLLBACKS = flags.DEFINE_integer(
+    "max_rollbacks", _TRAIN_DEFAULTS.max_rollbacks, "--on_nonfinite=rollback: stop after "
+    "this many rollbacks.", lower_bound=0)
+
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", _TRAIN_DEFAULTS.model_dir, "Directory for checkpoints and summary.json; a run resumes from its "
     "latest checkpoint. Default: none (nothing written).")
@@ -287,7 +298,8 @@ def run_config() -> config_lib.RunConfig:
                 log_all_ranks=_LOG_ALL_RANKS.value,
                 grad_agreement_every=_GRAD_AGREEMENT_EVERY.value,
                 reduce_bucket_mb=_REDUCE_BUCKET_MB.value,
-                preemption_grace_s=_PREEMPTION_GRACE_S.value),
+                preemption_grace_s=_PREEMPTION_GRACE_S.value,
+                on_nonfinite=_ON_NONFINITE.value, max_rollbacks=_MAX_ROLLBACKS.value),
         )
     except config_lib.ConfigError as error:  # a rule flags alone cannot express
         raise UsageError(str(error)) from None

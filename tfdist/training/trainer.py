@@ -16,6 +16,7 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfdist.checkpointing import Checkpointer
 from tfdist.data import inputs as inputs_lib
@@ -24,7 +25,7 @@ from tfdist.observe.progress import Progress
 from tfdist.observe import tensorboard
 from tfdist.observe.tensorboard import Profiler, TensorBoard
 from tfdist.strategies.base import Strategy
-from tfdist.errors import UsageError
+from tfdist.errors import NonFiniteLoss, UsageError
 from tfdist.training import optimizers, xla
 from tfdist.training.compression import GradientCompression
 from tfdist.training.interrupts import Preempted, StopSignals
@@ -37,6 +38,33 @@ from tfdist.training.task import Task, task_for
 # appends the global gradient norm at its last step.
 _LOSS_NUMERATOR, _LOSS_DIVISOR, _METRICS = 0, 1, 2
 _ZERO = tf.UnconnectedGradients.ZERO
+
+
+def _apply_if(finite, optimizer, grads, variables) -> None:
+    """`optimizer.apply(grads, variables)` only where `finite` (the same on every
+    replica). Keras optimizers call `merge_call` under some tf.distribute
+    strategies, which may not sit in a replica-context `tf.cond`: there the
+    condition is taken in cross-replica context, as Keras's LossScaleOptimizer does."""
+
+    def apply():
+        optimizer.apply(grads, variables)
+        return tf.constant(True)
+
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        tf.cond(finite, apply, lambda: tf.constant(False))
+        return
+
+    def cross_replica(distribution, grads, finite):
+        finite = distribution.experimental_local_results(finite)[0]
+
+        def apply_everywhere():
+            distribution.extended.call_for_each_replica(
+                lambda g: optimizer.apply(g, variables), args=(grads,))
+            return tf.constant(True)
+
+        tf.cond(finite, apply_everywhere, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(grads, finite))
 
 
 def _dense(grads) -> list:
@@ -112,6 +140,7 @@ class Trainer:
                                  enabled=strategy.is_chief or tc.profile_all_ranks)
         self._logs_here = strategy.is_chief or tc.log_all_ranks
         self.grad_agreement: dict = {}
+        self.nonfinite_steps, self.rollbacks = 0, 0   # --on_nonfinite=skip / rollback
         self._train_loop = strategy.function(self._train_loop_fn)
         self._eval_loop = strategy.function(self._eval_loop_fn)
 
@@ -227,7 +256,11 @@ class Trainer:
                 norm = norm / tf.cast(scale, norm.dtype)
         agreement = (self._replica_agreement(local, grads) if measure_agreement
                      else tf.zeros([self.strategy.num_replicas]))
-        self.optimizer.apply(grads, variables)
+        if self.train_config.on_nonfinite == "stop":
+            self.optimizer.apply(grads, variables)   # the run stops after this loop anyway
+        else:   # skip the update of a non-finite loss; the reduced loss is the same everywhere
+            _apply_if(tf.math.is_finite(counters[_LOSS_NUMERATOR]), self.optimizer, grads,
+                      variables)
         return tf.concat([counters, [norm]], axis=0), agreement
 
     def _replica_agreement(self, local, summed):
@@ -269,23 +302,37 @@ class Trainer:
         """`num_steps` replica steps; the last one, traced separately after the
         loop, also reports the gradient norm and, with `measure_agreement` (a
         Python bool), the gradient agreement, which adds a collective:
-        collectives cannot sit in a `tf.cond` in replica context."""
+        collectives cannot sit in a `tf.cond` in replica context. Steps whose
+        loss is not finite are counted (with the first one's offset) and left
+        out of the loop's metrics."""
         totals = tf.zeros([self._counters_size + 1])
-        for _ in tf.range(num_steps - 1):
+        bad, first_bad = tf.constant(0.0), tf.constant(-1.0)
+
+        def add(step_totals, index, totals, bad, first_bad):
+            # Arithmetic, not tf.where: a select on a scalar condition crashes
+            # DTensor's SPMD expansion (TF 2.21, segmentation fault).
+            finite = tf.cast(tf.math.is_finite(step_totals[_LOSS_NUMERATOR]), tf.float32)
+            totals += tf.math.multiply_no_nan(step_totals, tf.fill(tf.shape(step_totals), finite))
+            first = (1.0 - finite) * tf.cast(first_bad < 0, tf.float32)   # 1: the first bad step
+            first_bad += first * (tf.cast(index, tf.float32) + 1.0)
+            return totals, bad + (1.0 - finite), first_bad
+
+        for i in tf.range(num_steps - 1):
             # Steps are sequential by nature (each reads the last update); also
             # say so to the while loop, or it may start the next step's
             # collectives early, which engines that name them (Horovod) refuse.
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            totals += self.strategy.run(self._step_fn, next(iterator))[0]
+            totals, bad, first_bad = add(self.strategy.run(self._step_fn, next(iterator))[0],
+                                         i, totals, bad, first_bad)
         step_totals, agreement = self.strategy.run(self._step_fn, next(iterator), True,
                                                    measure_agreement)
-        totals += step_totals
+        totals, bad, first_bad = add(step_totals, num_steps - 1, totals, bad, first_bad)
         if self.strategy.replica_copies > 1 and self._synced_state():
             summed = self.strategy.run(self._replica_sum_state)
             for variable, total in zip(self._synced_state(), summed):
                 variable.assign(total / self.strategy.replica_copies)
         self.step.assign_add(tf.cast(num_steps, tf.int64))
-        return totals, agreement
+        return tf.concat([totals, [bad, first_bad]], axis=0), agreement
 
     def _eval_loop_fn(self, iterator, num_steps):
         totals = tf.zeros([self._counters_size])
@@ -355,6 +402,46 @@ class Trainer:
         metrics.update({f"grad_agreement_replica_{i}": c for i, c in enumerate(cosines)})
         return metrics
 
+    def _on_nonfinite(self, totals, start: int) -> Optional[int]:
+        """React to the non-finite steps of the loop that began at `start`:
+        stop, count skipped updates, or roll back (returns the step resumed at)."""
+        tc = self.train_config
+        count = int(totals[self._counters_size + 1])
+        first = start + int(totals[self._counters_size + 2]) + 1
+        last_good = self.checkpointer.latest if self.checkpointer else None
+        where = (f"the last good checkpoint is {last_good}" if last_good
+                 else "no checkpoint was saved (no --model_dir)" if not self.checkpointer
+                 else "no checkpoint was saved yet")
+        if tc.on_nonfinite == "stop":
+            raise NonFiniteLoss(
+                f"{self.strategy.describe_process()}: the loss is not finite at step {first} "
+                f"(--on_nonfinite=stop); {where}; --on_nonfinite=skip or rollback continue "
+                "past such steps")
+        self.nonfinite_steps += count
+        if tc.on_nonfinite == "skip":
+            logging.warning("skipped the update of %d step(s) with a non-finite loss, the "
+                            "first at step %d (--on_nonfinite=skip)", count, first)
+            return None
+        if self.rollbacks >= tc.max_rollbacks:
+            raise NonFiniteLoss(
+                f"{self.strategy.describe_process()}: the loss is not finite at step {first} "
+                f"after {self.rollbacks} rollback(s) (--max_rollbacks={tc.max_rollbacks}); "
+                f"{where}")
+        restored = self.checkpointer.restore_latest()
+        if restored is None:
+            raise NonFiniteLoss(
+                f"{self.strategy.describe_process()}: the loss is not finite at step {first} "
+                "and there is no checkpoint to roll back to yet (--on_nonfinite=rollback; "
+                "lower --checkpoint_every)")
+        self.strategy.broadcast_variables(
+            [*self.model.variables, *self.optimizer.variables, self.step])
+        self.rollbacks += 1
+        step = int(self.strategy.to_host(self.step).numpy())
+        logging.warning("the loss is not finite at step %d: rolled back to %s (step %d), "
+                        "continuing past the offending batches (rollback %d of %d)", first,
+                        restored, step, self.rollbacks, tc.max_rollbacks)
+        return step
+
     def _check_signals(self, signals: StopSignals, step: int) -> None:
         """After a loop: Ctrl-C stops here; SIGTERM on any worker makes every
         worker save at this same step and stop (`interrupts.py`)."""
@@ -393,6 +480,11 @@ class Trainer:
                     iterator, tf.constant(stop - step), bool(every) and stop % every == 0)
                 totals = totals.numpy()
                 seconds = time.perf_counter() - started
+                if totals[self._counters_size + 1]:   # non-finite losses in this loop
+                    rolled_back = self._on_nonfinite(totals, step)
+                    if rolled_back is not None:
+                        step = rolled_back
+                        continue
                 self.profiler.after_loop(stop)
                 examples = (stop - step) * self.global_batch_size
                 if not first_loop:  # the first call traces and compiles the graph
