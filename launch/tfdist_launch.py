@@ -13,6 +13,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -135,11 +136,57 @@ def tf_config(host, ports, index):
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def _pump(pipe, out, prefix):
-    """Copy a worker's output to ours line by line, prefixed; bytes, so any garbage passes."""
+_STEP_LINE = re.compile(rb"step (\d+)/(\d+)")
+# tfdist-train's start-up line "dataset D: global batch G = R replica(s) x P[, K micro-batches of M]; ..."
+_BATCH_LINE = re.compile(rb"global batch (\d+ = \d+ replica\(s\) x \d+(?:, \d+ micro-batches of \d+)?)")
+
+
+def _pump(pipe, out, prefix, worker=None):
+    """Copy a worker's output to ours line by line, prefixed; bytes, so any garbage
+    passes. Remembers the last training step the worker reported."""
     with pipe:
         for line in iter(lambda: pipe.readline(1 << 16), b""):
+            if worker is not None:
+                found = _STEP_LINE.search(line)
+                if found:
+                    worker.last_step = int(found[1])
+                found = _BATCH_LINE.search(line)
+                if found:
+                    worker.batch = found[1].decode(errors="replace")
             _emit(out, prefix + (line if line.endswith(b"\n") else line + b"\n"))
+
+
+def _memory_events(pid):
+    """The file counting OOM kills of `pid`'s memory cgroup (v2 memory.events or
+    v1 memory.oom_control), or None."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = f"/sys/fs/cgroup{path}/memory.events"
+        elif "memory" in controllers.split(","):
+            candidate = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
+        else:
+            continue
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def _oom_kills(path):
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 class Worker:
@@ -150,11 +197,35 @@ class Worker:
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         prefix = f"[worker {index}] ".encode()
-        self.pumps = [threading.Thread(target=_pump, args=(pipe, out, prefix), daemon=True)
+        self.last_step = None              # from its progress lines
+        self.batch = None                  # from its start-up line
+        self.cgroup_events = None          # its memory cgroup's OOM-kill counter file
+        self.oom_kills_before = None
+        self.note_cgroup()
+        self.pumps = [threading.Thread(target=_pump, args=(pipe, out, prefix, self), daemon=True)
                       for pipe, out in ((self.proc.stdout, sys.stdout.buffer),
                                         (self.proc.stderr, sys.stderr.buffer))]
         for t in self.pumps:
             t.start()
+
+    def note_cgroup(self):
+        """Follow the worker's memory cgroup (it may move into one after start)."""
+        if self.proc.poll() is not None:
+            return
+        events = _memory_events(self.proc.pid)
+        exiting = events in ("/sys/fs/cgroup/memory.events",
+                             "/sys/fs/cgroup/memory//memory.oom_control")
+        if exiting and self.cgroup_events:
+            return   # a dying task is moved to the root cgroup: keep the one it lived in
+        if events and events != self.cgroup_events:
+            self.cgroup_events, self.oom_kills_before = events, _oom_kills(events)
+
+    def oom_killed(self):
+        """Whether the kernel's OOM killer ended it (its cgroup counted a kill)."""
+        if self.proc.returncode != -signal.SIGKILL or not self.cgroup_events:
+            return False
+        after = _oom_kills(self.cgroup_events)
+        return None not in (after, self.oom_kills_before) and after > self.oom_kills_before
 
     def signal_group(self, signum):
         """Signal the group, not just the leader: a worker's own children must stop too."""
@@ -179,7 +250,16 @@ class Worker:
             name = signal.Signals(-rc).name
         except ValueError:
             name = f"signal {-rc}"
-        return f"worker {self.index} was killed by signal {name}"
+        text = f"worker {self.index} was killed by signal {name}"
+        if self.oom_killed():
+            where = (f" after step {self.last_step}" if self.last_step is not None
+                     else " before its first progress line")
+            batch = f" (global batch {self.batch})" if self.batch else ""
+            text += (f": out of memory{where}{batch}, killed by the kernel's OOM killer (its memory "
+                     f"cgroup counted the kill in {self.cgroup_events}); to use less memory: "
+                     "--accum_steps (smaller micro-batches), --recompute, "
+                     "--precision=mixed_bfloat16, or a smaller --global_batch_size")
+        return text
 
 
 def start_group(opts, cmd, attempt):
@@ -246,6 +326,8 @@ def supervise(workers, interrupts, grace_s):
             stop_group(workers, signum, grace_s)
             return signum
         codes = [w.proc.poll() for w in workers]
+        for w in workers:
+            w.note_cgroup()
         if any(rc not in (None, 0) for rc in codes):
             failed = _root_cause(workers)
             stop_group(workers, signal.SIGTERM, grace_s)

@@ -159,3 +159,32 @@ def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
             reader.get_tensor(name)   # complete, not half-written
     finally:
         subprocess.run(["umount", str(model_dir)], capture_output=True)
+
+
+@pytest.mark.timeout(300)
+def test_worker_killed_by_the_oom_killer_is_named_with_what_to_change(tmp_path, data_dir):
+    """A worker whose batch exceeds its memory cgroup's limit: the kernel kills
+    it (SIGKILL) and tfdist-launch says so in one line, with the batch and
+    what would use less memory."""
+    cgroup = f"/sys/fs/cgroup/memory/tfdist-oom-{os.getpid()}"
+    try:
+        os.makedirs(cgroup)
+        with open(f"{cgroup}/memory.limit_in_bytes", "w") as f:
+            f.write(str(1200 * 2**20))
+    except OSError as error:
+        pytest.skip(f"no cgroup v1 memory controller to limit a worker here ({error})")
+    try:
+        train = " ".join([TRAIN, "--strategy=default", "--model=mlp", "--model_width=4096",
+                          "--model_depth=2", "--global_batch_size=16384", "--train_steps=3",
+                          "--steps_per_loop=1", "--jit_compile=off", f"--data_dir={data_dir}"])
+        result = subprocess.run(
+            [LAUNCH, "--workers=1", "--", "sh", "-c",
+             f"echo $$ > {cgroup}/cgroup.procs && exec {train}"],
+            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    finally:
+        os.rmdir(cgroup)
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = [l for l in result.stderr.splitlines() if l.startswith("tfdist-launch: failed:")]
+    assert "worker 0 was killed by signal SIGKILL: out of memory" in line, line
+    assert "global batch 16384 = 1 replica(s) x 16384" in line
+    assert "--accum_steps" in line and "--recompute" in line and "OOM killer" in line

@@ -107,6 +107,29 @@ def write_summary(model_dir: str, summary: dict) -> None:
     os.replace(tmp, path)
 
 
+def memory_advice(config: RunConfig, replicas: int) -> str:
+    """What would reduce a worker's memory, for this run's batch."""
+    tc = config.train
+    per_replica = tc.global_batch_size // max(replicas, 1)
+    micro = per_replica // tc.accum_steps
+    more = tc.accum_steps * 2
+    advice = [f"--accum_steps={more} (micro-batches of {max(per_replica // more, 1)})"
+              if per_replica >= more else None,
+              None if config.model.recompute else "--recompute",
+              "--precision=mixed_bfloat16" if tc.precision == "float32" else None,
+              f"a smaller --global_batch_size (now {tc.global_batch_size})"]
+    return (f"per-replica batch {per_replica}, micro-batch {micro}; to use less memory: "
+            + ", ".join(a for a in advice if a))
+
+
+def out_of_memory(config: RunConfig, strategy, step: int, error) -> str:
+    """One line for a ResourceExhaustedError during training."""
+    text = str(getattr(error, "message", error)).strip().splitlines()
+    return (f"{strategy.describe_process()}: out of memory in the steps after step {step} "
+            f"({memory_advice(config, strategy.num_replicas)}): "
+            f"{(text[0] if text else type(error).__name__)[:200]}")
+
+
 def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
                          convolution_share: float = 0.0) -> list[str]:
     """One line for each setting known to be slow on this CPU, with what is faster."""
@@ -322,6 +345,8 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
             logging.warning(line)
     try:
         metrics = trainer.fit()
+    except tf.errors.ResourceExhaustedError as error:
+        raise WorkerFault(out_of_memory(config, strategy, trainer.loop_start, error)) from None
     except tf.errors.OpError as error:
         raise WorkerFault(strategy.describe_fault(error)) from error
     summary = {

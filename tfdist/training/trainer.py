@@ -141,6 +141,7 @@ class Trainer:
         self._logs_here = strategy.is_chief or tc.log_all_ranks
         self.grad_agreement: dict = {}
         self.nonfinite_steps, self.rollbacks = 0, 0   # --on_nonfinite=skip / rollback
+        self.loop_start = 0   # the step the running loop began at (for fault messages)
         self._train_loop = strategy.function(self._train_loop_fn)
         self._eval_loop = strategy.function(self._eval_loop_fn)
 
@@ -474,6 +475,7 @@ class Trainer:
             signals.__enter__()
             while step < self.total_steps:
                 stop = self._next_stop(step)
+                self.loop_start = step
                 self.profiler.before_loop(step)
                 started = time.perf_counter()
                 totals, agreement = self._train_loop(
