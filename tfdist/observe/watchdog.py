@@ -1,12 +1,19 @@
-"""A deadline for waits that TensorFlow may block on forever.
+"""A deadline for waits that TensorFlow may block on forever, and peer probes.
 
 Creating MultiWorkerMirroredStrategy connects to every peer and waits,
 without limit and *holding the GIL*, for one that never starts. No Python
-thread can run then, so the deadline is kept by a tiny separate process: if
-the parent has not left the guarded block in time, it probes the peers,
-prints one line saying which did not answer, and kills the parent (SIGKILL:
-TensorFlow intercepts SIGTERM). It exits by itself when the block ends or the
-parent dies (its stdin pipe closes).
+thread can run then, so the deadline is kept by a tiny separate process (this
+file run as a script, standard library only): if the parent has not left the
+guarded block in time, it probes the peers, prints one line saying which did
+not answer, and kills the parent (SIGKILL: TensorFlow intercepts SIGTERM). It
+exits by itself when the block ends or the parent dies (its stdin pipe closes).
+
+`unreachable` is the same probe for a fault during training: a collective
+that failed says little about *which* peer is gone (a cut link shows up as a
+coordination-service heartbeat "Deadline Exceeded"), a TCP connect to each
+peer's host:port does: "Connection refused" (the process is gone, the host
+answers), "Network is unreachable" (this host's link is down), "No route to
+host" or "timed out" (no answer: the peer's link or host is down).
 """
 
 from __future__ import annotations
@@ -14,26 +21,50 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 
-_CHILD = r"""
-import json, os, select, signal, socket, sys
-parent, seconds, payload = int(sys.argv[1]), float(sys.argv[2]), json.loads(sys.argv[3])
-ready, _, _ = select.select([sys.stdin], [], [], seconds)
-if ready:
-    sys.exit(0)  # the guarded block ended (or the parent died): nothing to do
-silent = []
-for name, host, port in payload["peers"]:
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-    except OSError as error:
-        silent.append(f"{name}: {error.strerror or error}")
-detail = "; ".join(silent) or "every peer accepts connections but did not join"
-sys.stderr.write(f"{payload['prog']}: fault: {payload['message']}; unreachable: {detail}\n")
-sys.stderr.flush()
-os.kill(parent, signal.SIGKILL)
-"""
+PROBE_TIMEOUT_S = 2.0
+
+
+def unreachable(peers, timeout: float = PROBE_TIMEOUT_S) -> list:
+    """"name: reason" for each (name, host, port) in `peers` that does not
+    accept a TCP connection within `timeout` seconds (probed in parallel, so
+    this takes at most about `timeout`, a hanging name lookup included);
+    [] if every peer answers."""
+    peers = list(peers)
+    reasons = [None] * len(peers)
+
+    def probe(index, host, port):
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except OSError as error:
+            reasons[index] = error.strerror or str(error) or type(error).__name__
+
+    threads = [threading.Thread(target=probe, args=(i, host, port), daemon=True)
+               for i, (_, host, port) in enumerate(peers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 1.0)
+    return [f"{name}: {reason}" for (name, _, _), reason in zip(peers, reasons)
+            if reason is not None]
+
+
+def _watch(parent: int, seconds: float, payload: dict) -> None:
+    """The deadline process: wait for stdin to close or `seconds` to pass."""
+    import select
+    import signal
+    ready, _, _ = select.select([sys.stdin], [], [], seconds)
+    if ready:
+        return  # the guarded block ended (or the parent died): nothing to do
+    detail = "; ".join(unreachable(payload["peers"])) or \
+        "every peer accepts connections but did not join"
+    sys.stderr.write(f"{payload['prog']}: fault: {payload['message']}; unreachable: {detail}\n")
+    sys.stderr.flush()
+    os.kill(parent, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -43,10 +74,15 @@ def deadline(seconds: float, message: str, peers=(), *, prog: str = "tfdist-trai
     peers: (name, host, port) triples whose reachability the message reports.
     """
     payload = json.dumps({"message": message, "peers": list(peers), "prog": prog})
-    child = subprocess.Popen([sys.executable, "-I", "-c", _CHILD, str(os.getpid()),
-                              str(seconds), payload], stdin=subprocess.PIPE)
+    # -I: only the standard library (this file imports nothing else).
+    child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__),
+                              str(os.getpid()), str(seconds), payload], stdin=subprocess.PIPE)
     try:
         yield
     finally:
         child.stdin.close()
         child.wait()
+
+
+if __name__ == "__main__":
+    _watch(int(sys.argv[1]), float(sys.argv[2]), json.loads(sys.argv[3]))

@@ -27,19 +27,49 @@ _IMPLEMENTATIONS = {
 }
 
 
-def describe_peer_fault(spec, my_index: int, error: Exception) -> str:
-    """One line naming the peer TensorFlow's error points at (".../task:N")."""
+# Lines of a TensorFlow op error that say where, not what.
+_NOISE = re.compile(r"^(Graph execution error:|Detected at node |File \"|\[\[|The error could "
+                    r"be from a previous operation)")
+
+
+def _reason(text: str) -> str:
+    """The gist of a TensorFlow error: gRPC's own message if there is one,
+    else the first lines of the message proper (no traceback, no op names)."""
+    grpc = re.findall(r'grpc_message:"([^"]+)"', text)
+    if grpc:
+        return grpc[-1]
+    lines = [line.strip() for line in text.splitlines()]
+    lines = [re.sub(r"\s*\[type\.googleapis\.com/.*$", "", line) for line in lines
+             if line and not _NOISE.match(line)]
+    return " ".join(lines[:2])[:300] or "(no message)"
+
+
+def describe_peer_fault(spec, my_index: int, error: Exception, *, probe: bool = True) -> str:
+    """One line naming the peer(s) a failed collective points at.
+
+    TensorFlow's error may name a task (".../task:N"); a cut link often names
+    none (a heartbeat "Deadline Exceeded"). So, with `probe`, every peer's
+    host:port is also tried with a short TCP connect and the ones that do not
+    answer are listed: "...; unreachable: worker 1 (host:port): timed out".
+    """
     text = str(getattr(error, "message", error))
     me = spec.name(my_index) if spec is not None else f"worker {my_index}"
-    match = re.search(r"/job:(chief|worker)/replica:\d+/task:(\d+)", text)
-    reason = re.findall(r'grpc_message:"([^"]+)"', text)
-    detail = reason[-1] if reason else (text.strip().splitlines() or [type(error).__name__])[0]
-    if match and spec is not None:
-        task_type, index = match.group(1), int(match.group(2))
-        if (task_type, index) in spec.tasks:
-            peer = spec.name(spec.tasks.index((task_type, index)))
-            return f"{me}: peer {peer} failed or is unreachable: {detail}"
-    return f"{me}: collective failed: {type(error).__name__}: {detail}"
+    detail = _reason(text)
+    silent = watchdog.unreachable(peers(spec)) if probe else []
+    if silent:
+        tail = "; unreachable: " + "; ".join(silent)
+    elif probe and spec is not None and spec.num_workers > 1:
+        tail = "; every peer accepts connections"
+    else:
+        tail = ""
+    if spec is not None:
+        for task_type, index in re.findall(r"/job:(chief|worker)/replica:\d+/task:(\d+)", text):
+            if (task_type, int(index)) in spec.tasks:
+                position = spec.tasks.index((task_type, int(index)))
+                if position != my_index:
+                    return (f"{me}: peer {spec.name(position)} failed or is unreachable: "
+                            f"{detail}{tail}")
+    return f"{me}: collective failed: {type(error).__name__}: {detail}{tail}"
 
 
 def peers(spec) -> list:

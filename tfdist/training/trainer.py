@@ -413,6 +413,13 @@ class Trainer:
         where = (f"the last good checkpoint is {last_good}" if last_good
                  else "no checkpoint was saved (no --model_dir)" if not self.checkpointer
                  else "no checkpoint was saved yet")
+        if tc.on_nonfinite == "stop" and tc.precision == "mixed_float16":
+            # fp16's dynamic loss scaling owns these: it skipped the update and
+            # halved the scale, as it always has.
+            self.nonfinite_steps += count
+            logging.warning("%d step(s) with a non-finite loss, the first at step %d: "
+                            "skipped by mixed_float16's loss scaling", count, first)
+            return None
         if tc.on_nonfinite == "stop":
             raise NonFiniteLoss(
                 f"{self.strategy.describe_process()}: the loss is not finite at step {first} "
