@@ -190,3 +190,42 @@ def test_build_script_reuses_what_is_built():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "already installed" in result.stdout + result.stderr
     assert "nothing to do" in result.stdout + result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_path, data_dir):
+    """A rank is preempted: both ranks agree (a collective), save the same step,
+    exit 143; horovodrun ends; running it again finishes at the requested step."""
+    from test_reliability import _preempted_steps
+
+    model_dir = str(tmp_path / "run")
+    args = ["--strategy=horovod", "--model=mlp", "--model_width=32", "--global_batch_size=32",
+            "--steps_per_loop=10", "--checkpoint_every=20", "--keep_checkpoints=100",
+            "--train_steps=200", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+            "--preemption_grace_s=20"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not checkpointing.saved_steps(model_dir):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        found = subprocess.run(["pgrep", "-f", "--", f"--model_dir={model_dir} "],
+                               capture_output=True, text=True).stdout.split()
+        ranks = [pid for pid in found   # python .../tfdist-train: not horovodrun or its shells
+                 if open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[1].endswith(
+                     b"tfdist-train")]
+        assert len(ranks) == 2, found
+        os.kill(int(sorted(ranks, key=int)[-1]), signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    steps = _preempted_steps(out + err)
+    assert len(steps) == 2 and steps[0] == steps[1], (out + err)[-3000:]
+    assert steps[0] in checkpointing.saved_steps(model_dir)
+    rerun = subprocess.run([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=200)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    saved = checkpointing.saved_steps(model_dir)
+    assert saved == sorted(set(saved)) and saved[-1] == 200
