@@ -312,6 +312,10 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         check_export_dir(tc.export_dir)
     inputs = _inputs(config, dataset_fn, spec)
     inputs.check_sharding(strategy.num_input_pipelines)
+    train_examples = inputs.spec.train_examples
+    if train_examples and tc.global_batch_size > train_examples:
+        raise UsageError(f"--global_batch_size={tc.global_batch_size} is larger than the "
+                         f"{train_examples} training examples of {inputs.spec.name}")
 
     steps = total_steps(tc, inputs.spec)
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)

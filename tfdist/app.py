@@ -45,7 +45,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:
-        usage_exit(str(error).replace("\n", " "))
+        usage_exit(" ".join(str(error).split()))
+    except UnicodeDecodeError as error:   # a flagfile that is not UTF-8
+        usage_exit(f"a --flagfile is not UTF-8 text: {error.reason} at byte {error.start}")
+    except ValueError as error:   # absl: a negated boolean given a value, e.g. --nosynthetic=1
+        usage_exit(" ".join(str(error).split()))
 
 
 def _guarded(main):

@@ -61,10 +61,21 @@ def _fail(problem: str) -> None:
                      '"task": {"type": "worker", "index": 0}}')
 
 
-def _check_address(task_type: str, index: int, address) -> None:
+def _address_problem(address) -> Optional[str]:
+    """What is wrong with a task's host:port (None: nothing)."""
     host, _, port = str(address).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        _fail(f"cluster.{task_type}[{index}]={address!r} is not host:port with a port in 1-65535")
+    # isdigit() alone also takes non-ASCII digits such as '²', which int() rejects.
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        return "is not host:port with a port in 1-65535"
+    if any(c.isspace() or not c.isprintable() for c in host):
+        return "has whitespace or control characters in its host"
+    return None
+
+
+def _check_address(task_type: str, index: int, address) -> None:
+    problem = _address_problem(address)
+    if problem:
+        _fail(f"cluster.{task_type}[{index}]={address!r} {problem}")
 
 
 def _is_local(host: str) -> bool:
@@ -74,7 +85,7 @@ def _is_local(host: str) -> bool:
             with socket.socket(family, kind, proto) as probe:
                 probe.bind((sockaddr[0], 0))
                 return True
-    except OSError:
+    except (OSError, UnicodeError):   # UnicodeError: not a valid (IDNA) host name
         return False
     return False
 
@@ -106,7 +117,7 @@ def parse_tf_config(text: str, *, check_local: bool = True) -> ClusterSpec:
     if duplicates:
         _fail(f"address {duplicates[0]} appears more than once in the cluster")
     task_type, index = task.get("type"), task.get("index")
-    if task_type not in cluster:
+    if not isinstance(task_type, str) or task_type not in cluster:
         _fail(f"task.type={task_type!r} is not a task type of the cluster "
               f"({', '.join(cluster)})")
     if isinstance(index, bool) or not isinstance(index, int) or not (
@@ -128,6 +139,15 @@ def tf_config_from_hosts(worker_hosts, task_index: Optional[int]) -> str:
     if not 0 <= task_index < len(worker_hosts):
         raise UsageError(f"--task_index={task_index} is out of range for "
                          f"{len(worker_hosts)} --worker_hosts (valid: 0-{len(worker_hosts) - 1})")
+    for index, address in enumerate(worker_hosts):
+        problem = _address_problem(address)
+        if problem:
+            raise UsageError(f"--worker_hosts: entry {index} {address!r} {problem}, "
+                             "e.g. --worker_hosts=host1:2222,host2:2222")
+    if len(set(worker_hosts)) < len(worker_hosts):
+        twice = sorted({a for a in worker_hosts if list(worker_hosts).count(a) > 1})[0]
+        raise UsageError(f"--worker_hosts: {twice} appears more than once; every worker "
+                         "needs its own host:port")
     return json.dumps({"cluster": {"worker": list(worker_hosts)},
                        "task": {"type": "worker", "index": task_index}})
 
@@ -143,7 +163,12 @@ def resolve(worker_hosts=(), task_index: Optional[int] = None,
     None when neither is given (the caller may then ask Slurm).
     """
     if worker_hosts:
-        environ["TF_CONFIG"] = tf_config_from_hosts(worker_hosts, task_index)
+        text = tf_config_from_hosts(worker_hosts, task_index)
+        mine = worker_hosts[task_index]
+        if not _is_local(mine.rpartition(":")[0]):
+            raise UsageError(f"--worker_hosts entry {task_index} ({mine}) is not an address of "
+                             f"this machine; is --task_index={task_index} right for this host?")
+        environ["TF_CONFIG"] = text
     elif task_index is not None:
         raise UsageError(f"--task_index={task_index} needs --worker_hosts")
     text = environ.get("TF_CONFIG")

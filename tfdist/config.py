@@ -151,6 +151,9 @@ class DataConfig(_Replace):
     def __post_init__(self):
         if not self.dataset:
             raise ConfigError("dataset='' must name a TFDS dataset, e.g. tfdist_shapes")
+        if any(c.isspace() or not c.isprintable() for c in self.dataset):
+            raise ConfigError(f"dataset={self.dataset!r} is not a TFDS dataset name (no spaces "
+                              "or control characters), e.g. tfdist_shapes or mnist:3.0.1")
         _positive("image_size", self.image_size, allow_none=True)
         _positive("vocab_size", self.vocab_size)
         _positive("sequence_length", self.sequence_length)

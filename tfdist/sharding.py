@@ -28,7 +28,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
     axes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, size = part.partition(":")
-        if not name or not size.isdigit() or int(size) < 1:
+        if not name or not (size.isascii() and size.isdigit()) or int(size) < 1:
             raise UsageError(f"--mesh={text!r}: {part!r} is not name:size with a size >= 1; "
                              "expected e.g. batch:2,model:2")
         axes.append((name, int(size)))

@@ -351,7 +351,9 @@ class Trainer:
         seed = tc.seed + 7919 * start_step
         train = strategy.distribute_dataset(inputs_lib.train_dataset_fn(
             self.inputs, global_batch_size=self.global_batch_size, seed=seed,
-            shuffle_buffer=self.config.data.shuffle_buffer))
+            # More than the split holds buys nothing (and 2**63 would not allocate).
+            shuffle_buffer=min(self.config.data.shuffle_buffer,
+                               self.inputs.spec.train_examples or self.config.data.shuffle_buffer)))
         self._eval_data = None
         if self.inputs.has_eval:
             pipelines = strategy.num_input_pipelines
