@@ -157,8 +157,8 @@ def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
         reader = tf.train.load_checkpoint(latest)
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)   # complete, not half-written
-    finally:
-        subprocess.run(["umount", str(model_dir)], capture_output=True)
+    finally:   # lazily, so a straggling handle cannot leave the mount behind
+        subprocess.run(["umount", "-l", str(model_dir)], capture_output=True)
 
 
 @pytest.mark.timeout(300)
