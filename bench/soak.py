@@ -63,7 +63,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import common  # noqa: E402
 from common import (  # noqa: E402
     LAUNCH, REPO, TRAIN, Clock, RunFailed, markdown_table, print_row, run_summary,
     step_seconds, table, write_section)
