@@ -175,7 +175,7 @@ def test_worker_killed_by_the_oom_killer_is_named_with_what_to_change(tmp_path, 
         pytest.skip(f"no cgroup v1 memory controller to limit a worker here ({error})")
     try:
         train = " ".join([TRAIN, "--strategy=default", "--model=mlp", "--model_width=4096",
-                          "--model_depth=2", "--global_batch_size=16384", "--train_steps=3",
+                          "--model_depth=2", "--global_batch_size=12000", "--train_steps=3",
                           "--steps_per_loop=1", "--jit_compile=off", f"--data_dir={data_dir}"])
         result = subprocess.run(
             [LAUNCH, "--workers=1", "--", "sh", "-c",
@@ -186,5 +186,5 @@ def test_worker_killed_by_the_oom_killer_is_named_with_what_to_change(tmp_path, 
     assert result.returncode == 1, result.stderr[-3000:]
     [line] = [l for l in result.stderr.splitlines() if l.startswith("tfdist-launch: failed:")]
     assert "worker 0 was killed by signal SIGKILL: out of memory" in line, line
-    assert "global batch 16384 = 1 replica(s) x 16384" in line
+    assert "global batch 12000 = 1 replica(s) x 12000" in line
     assert "--accum_steps" in line and "--recompute" in line and "OOM killer" in line
