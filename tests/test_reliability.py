@@ -41,6 +41,21 @@ def _preempted_steps(stderr):
     return [int(s) for s in re.findall(r"preempted \(SIGTERM\) at step (\d+)", stderr)]
 
 
+def _sigterm_after_checkpoint(command, model_dir, timeout):
+    """Start `command`, SIGTERM it once a checkpoint exists; (its stderr,
+    seconds from the signal to its exit)."""
+    proc = _start(command)
+    try:
+        _wait_for_checkpoint(model_dir, proc)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    return err, time.monotonic() - sent
+
+
 def _finish(command, model_dir, steps=300):
     """Re-run: it resumes and ends at exactly `steps`; no saved step went backwards."""
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True,
@@ -57,16 +72,8 @@ def _finish(command, model_dir, steps=300):
 def test_sigterm_saves_exits_143_and_a_rerun_finishes(tmp_path, data_dir):
     model_dir = str(tmp_path / "run")
     command = _args("default", model_dir, data_dir)
-    proc = _start(command)
-    try:
-        _wait_for_checkpoint(model_dir, proc)
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=GRACE_S + 10)
-    finally:
-        proc.kill()
-    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
-    assert time.monotonic() - sent < GRACE_S
+    err, seconds = _sigterm_after_checkpoint(command, model_dir, timeout=GRACE_S + 10)
+    assert seconds < GRACE_S
     [step] = _preempted_steps(err)
     assert step % 10 == 0 and step in checkpointing.saved_steps(model_dir)
     assert [line for line in err.splitlines() if "preempted" in line][-1].startswith(
@@ -103,16 +110,8 @@ def test_sigterm_to_one_worker_stops_all_at_one_step_and_launch_restarts(tmp_pat
 def test_sigterm_to_launch_stops_the_group_with_143_and_a_rerun_finishes(tmp_path, data_dir):
     model_dir = str(tmp_path / "run")
     command = [LAUNCH, "--workers=2", "--", *_args("multi_worker", model_dir, data_dir)]
-    proc = _start(command)
-    try:
-        _wait_for_checkpoint(model_dir, proc)
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=GRACE_S + 20)
-    finally:
-        proc.kill()
-    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
-    assert time.monotonic() - sent < GRACE_S + 5
+    err, seconds = _sigterm_after_checkpoint(command, model_dir, timeout=GRACE_S + 20)
+    assert seconds < GRACE_S + 5
     steps = _preempted_steps(err)
     assert len(steps) == 2 and steps[0] == steps[1], err[-3000:]
     _finish(command, model_dir)
