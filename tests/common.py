@@ -73,8 +73,9 @@ def mw_config(strategy, steps=10, **train):
         train=tfdist.TrainConfig(**train))
 
 
-def train_from(config, initial):
-    """`tfdist.train` on the test images, starting from the `initial` weights."""
+def train_from(config, initial, dataset_fn=image_dataset_fn):
+    """`tfdist.train` on the test images (or `dataset_fn`'s), starting from
+    the `initial` weights."""
     from tfdist import models
 
     def model_fn(spec):
@@ -82,7 +83,7 @@ def train_from(config, initial):
         model.set_weights(initial)
         return model
 
-    return tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+    return tfdist.train(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=IMAGE_SPEC)
 
 
 TOKEN_SPEC = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(16,), num_classes=11,

@@ -30,6 +30,7 @@ QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
     (["--no_such_flag=1"], "no_such_flag"),
     (["stray_argument"], "unexpected arguments 'stray_argument'"),
     (["--optimizer=rmsprop"], "--optimizer"),
+    (["--elastic_commit_every=-1"], "--elastic_commit_every"),
     (["--loss=hinge"], "--loss"),
     (["--metrics=accuracy,auc"], "metrics='auc' is not known; valid: accuracy, top5_accuracy"),
     (["--label_smoothing=0.1"], "label_smoothing=0.1 needs loss=categorical_crossentropy"),
@@ -61,6 +62,9 @@ def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
         ([f"--data_dir={a_file}"], f"--dataset=tfdist_shapes: cannot"),
         (["--model=transformer", f"--data_dir={data_dir}"],
          "--model=transformer needs a dataset of kind tokens"),
+        (["--strategy=mirrored", "--elastic", f"--data_dir={data_dir}"],
+         "--elastic: --strategy=mirrored cannot change its number of workers during a run; "
+         "--strategy=horovod under an elastic horovodrun"),
         (["--strategy=dtensor", "--mesh=batch:2,model:2", f"--data_dir={data_dir}"],
          "--mesh=batch:2,model:2 needs 4 devices but --virtual_devices=2; set "
          "--virtual_devices=4"),

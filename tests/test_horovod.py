@@ -18,8 +18,8 @@ import pytest
 from tfdist import checkpointing
 
 from common import PREDICTION_TOLERANCE, assert_variables_equal, run_config
-from conftest import BIN, REPO, run_cli
-from test_multi_worker import assert_match_single_device, run_workers
+from conftest import BIN, REPO, run_cli, run_clis
+from test_multi_worker import assert_match_single_device, check_exact_resume, run_workers
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
 if not HAVE_HOROVOD and os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
@@ -50,6 +50,11 @@ def test_custom_absl_script_under_horovodrun(tmp_path):
     assert len(summaries) == 1, result.stdout[-2000:]   # the chief (rank 0) prints it
     assert summaries[0]["strategy"] == "horovod" and summaries[0]["replicas"] == 2
     assert summaries[0]["auc"] > 0.85
+
+
+@pytest.mark.timeout(400)
+def test_resumed_ranks_read_exactly_the_batches_of_an_uninterrupted_run(tmp_path):
+    check_exact_resume(HOROVODRUN, "horovod", tmp_path)
 
 
 @pytest.mark.timeout(240)
@@ -171,6 +176,24 @@ def test_without_horovodrun_it_is_a_single_rank(data_dir):
     assert summary["steps"] == 2
 
 
+def test_elastic_without_horovodrun_is_one_rank_and_needs_an_elastic_horovodrun(data_dir):
+    """--elastic alone trains as one rank (committing every loop); under a
+    horovodrun with a fixed -np (HOROVOD_RANK set, no HOROVOD_ELASTIC) it is a
+    one-line error before training."""
+    args = ["--strategy=horovod", "--elastic", "--model=mlp", "--model_width=8",
+            "--train_steps=4", "--steps_per_loop=2", "--global_batch_size=8",
+            f"--data_dir={data_dir}"]
+    alone, fixed = run_clis([args, args], envs=[{}, {"HOROVOD_RANK": "0"}], timeout=120)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    summary = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["replicas"] == 1
+    assert "elastic (commit every loop)" in alone.stderr
+    assert fixed.returncode == 2, fixed.stderr[-2000:]
+    errors = [line for line in fixed.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--elastic needs an elastic horovodrun" in errors[0]
+    assert "Traceback" not in fixed.stderr
+
+
 def test_without_horovod_says_how_to_build_it(tmp_path):
     fake = tmp_path / "fake" / "horovod"
     fake.mkdir(parents=True)
@@ -229,3 +252,87 @@ def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_pat
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     saved = checkpointing.saved_steps(model_dir)
     assert saved == sorted(set(saved)) and saved[-1] == 200
+
+
+def _elastic_horovodrun(tmp_path, *, cooldown_s=None):
+    """horovodrun for an elastic job of at most 2 ranks on this machine.
+
+    The machine is named twice (localhost and 127.0.0.1, one slot each):
+    Horovod blacklists the whole host of a failed rank, so with one name
+    (localhost:2) killing a rank would end the job. A cooldown lets the
+    blacklisted name come back, and a new rank start there."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    command = [os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "--min-np", "1",
+               "--max-np", "2", "--host-discovery-script", str(discover),
+               "--network-interface", "lo"]   # else elastic mode wants two real hosts
+    if cooldown_s:
+        command += ["--blacklist-cooldown-range", str(cooldown_s), str(cooldown_s + 1)]
+    return command
+
+
+@pytest.mark.timeout(300)
+def test_elastic_survives_a_killed_rank_and_takes_it_back(tmp_path, data_dir):
+    """2 ranks; SIGKILL rank 1 mid-run: rank 0 rolls back to its last commit,
+    goes on alone, takes a new rank back when the host returns (after the
+    blacklist cooldown), and the run ends at the requested step."""
+    import re
+
+    steps, commit_every = 600, 20
+    model_dir = str(tmp_path / "run")
+    args = ["--strategy=horovod", "--elastic", f"--elastic_commit_every={commit_every}",
+            "--model=mlp", "--model_width=16", "--model_depth=1", "--global_batch_size=32",
+            f"--train_steps={steps}", "--steps_per_loop=50", "--log_every=50",
+            "--checkpoint_every=200", f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen([*_elastic_horovodrun(tmp_path, cooldown_s=1), TRAIN, *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 150
+        while not any(f"step 100/{steps}" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)[-3000:]
+            lines.append(line)
+        os.kill(_rank_pid(1), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=200)   # bounded: a hang fails the test
+    finally:
+        proc.kill()
+    output = "".join(lines) + out
+    assert proc.returncode == 0, output[-4000:]
+    regrouped = [(int(n), int(s)) for n, s in re.findall(
+        r"now (\d) replica\(s\) \(global batch 32 = .*?; going on from step (\d+)", output)]
+    # Rank 0 alone from its last commit, then both again (the new rank 1 starts
+    # from the state rank 0 broadcasts).
+    assert [n for n, _ in regrouped][:2] == [1, 2], output[-4000:]
+    assert all(step % commit_every == 0 and step < steps for _, step in regrouped), regrouped
+    summaries = [json.loads(line[line.index("{"):]) for line in output.splitlines()
+                 if '"strategy": "horovod"' in line]
+    assert len(summaries) == 1, output[-3000:]   # the chief's
+    assert summaries[0]["steps"] == steps and summaries[0]["replicas"] == 2
+    assert summaries[0]["elastic_reforms"] == len(regrouped)
+    assert np.isfinite(summaries[0]["loss"])
+    assert checkpointing.saved_steps(model_dir)[-1] == steps
+    time.sleep(1)
+    assert _training_pids() == {}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["stop", "skip", "rollback"])
+def test_on_nonfinite_under_two_ranks(tmp_path, mode):
+    """--on_nonfinite with a NaN at one step (tests/test_nonfinite_cluster.py,
+    there under multi_worker): stop ends both ranks with one line naming the
+    step; skip and rollback finish with both ranks identical."""
+    from test_nonfinite_cluster import check_rollback, check_skip, check_stop, run_nan_workers
+
+    result, model_dir, finished, initial = run_nan_workers(HOROVODRUN, tmp_path, "horovod", mode)
+    if mode == "stop":
+        check_stop(result, model_dir, finished, "rank")
+    elif mode == "skip":
+        check_skip(result, finished, initial)
+    else:
+        check_rollback(result, model_dir, finished)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.checkpoint import checkpoint_management
 
 from tfdist.errors import UsageError, WorkerFault
 
@@ -54,6 +55,9 @@ class Checkpointer:
         self.is_chief = is_chief
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self._current: Optional[str] = None   # saved or restored by this process
+        # This process's input position, saved with every checkpoint (when the
+        # engine's input iterator can be checkpointed; see `InputPosition`).
+        self.input_position: Optional[InputPosition] = None
 
     # -- what is there ---------------------------------------------------------
     def candidates(self) -> list[str]:
@@ -107,6 +111,8 @@ class Checkpointer:
 
     # -- save --------------------------------------------------------------------
     def save(self, step: int) -> Optional[str]:
+        if self.input_position is not None:   # every process: its own pipeline's
+            self.input_position.save(step)
         if not self.is_chief:
             scratch = tempfile.mkdtemp(prefix="tfdist-worker-ckpt-")
             try:
@@ -132,8 +138,12 @@ class Checkpointer:
         kept = sorted([written, *kept], key=_step_of)
         try:
             # The index last: it only ever names complete, readable checkpoints.
-            tf.compat.v1.train.update_checkpoint_state(
-                self.directory, written, all_model_checkpoint_paths=kept)
+            # What tf.train.CheckpointManager calls (relative paths: the
+            # directory may move); the public tf.compat.v1 wrapper prints a
+            # three-line deprecation warning into every run's log.
+            checkpoint_management.update_checkpoint_state_internal(
+                self.directory, written, all_model_checkpoint_paths=kept,
+                save_relative_paths=True)
         except (tf.errors.OpError, OSError) as error:
             _remove(written)
             raise CheckpointWriteError(
@@ -147,14 +157,80 @@ class Checkpointer:
         return written
 
 
+class InputPosition:
+    """This input pipeline's position (its tf.data iterator state), saved beside
+    each checkpoint so a resumed run reads exactly the batches an uninterrupted
+    run reads.
+
+    Every process keeps its own, in `checkpoints/input/<signature>-pipeline-<i>-of-<n>/`:
+    pipelines hold different shards, so the chief cannot save the others'. The
+    signature (a hash of batch size, seed, shuffle buffer, sharding and the
+    dataset) keeps a run with other input settings from restoring a position
+    that means something else; it then draws a fresh permutation instead. The
+    state holds the shuffle buffer's examples (see BUILD_NOTES.md for why not
+    symbolic checkpointing); `--nocheckpoint_input` turns this off.
+    """
+
+    def __init__(self, directory: str, iterator, *, signature: dict, pipeline: int,
+                 pipelines: int, keep: int):
+        import hashlib
+        import json
+        digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
+                                .encode()).hexdigest()[:12]
+        self.directory = os.path.join(directory, "input",
+                                      f"{digest}-pipeline-{pipeline}-of-{pipelines}")
+        self.keep = keep
+        self.checkpoint = tf.train.Checkpoint(iterator=iterator)
+        self.enabled = True
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{_PREFIX}-{step}")
+
+    def exists(self, step: int) -> bool:
+        return os.path.exists(self._path(step) + ".index")
+
+    def save(self, step: int) -> None:
+        """Write the position at `step`; a failure only costs exactness on resume."""
+        if not self.enabled:
+            return
+        path = self._path(step)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            _verify(self.checkpoint.write(path))
+        except Exception as error:  # noqa: BLE001  (any pipeline op may refuse to be saved)
+            _remove(path)
+            self.enabled = False
+            logging.warning("cannot save the input position (%s); a run resumed from a later "
+                            "checkpoint draws a fresh permutation of the data", _first_line(error))
+            return
+        steps = sorted((_step_of(p[:-len(".index")]) for p in
+                        glob.glob(os.path.join(self.directory, f"{_PREFIX}-*.index"))),
+                       reverse=True)
+        for old in steps[self.keep:]:
+            _remove(self._path(old))
+
+    def restore(self, step: int) -> bool:
+        """Move the iterator to the position saved at `step`; False if there is none."""
+        if not self.exists(step):
+            return False
+        try:
+            self.checkpoint.read(self._path(step)).assert_consumed()
+        except Exception as error:  # noqa: BLE001  (damaged, or another pipeline layout)
+            logging.warning("the input position of step %d cannot be read (%s)", step,
+                            _first_line(error))
+            return False
+        return True
+
+
 def _verify(path: str) -> None:
     """Read a written checkpoint back: its index and each tensor's entry."""
     reader = tf.train.load_checkpoint(path)
-    names = reader.get_variable_to_shape_map()
-    if not names:
+    dtypes = reader.get_variable_to_dtype_map()
+    if not dtypes:
         raise ValueError(f"{path} holds no tensors")
-    for name in names:
-        reader.get_tensor(name)
+    for name, dtype in dtypes.items():
+        if dtype != tf.variant:   # an iterator's state: not readable as an array
+            reader.get_tensor(name)
 
 
 def _remove(path: str) -> None:

@@ -25,6 +25,8 @@ LR_SCALING = ("none", "linear", "sqrt")
 LR_DECAY = ("constant", "cosine")
 JIT_COMPILE = ("auto", "on", "off")
 ON_NONFINITE = ("stop", "skip", "rollback")
+# --task_type with --worker_hosts/--ps_hosts (parameter_server).
+TASK_TYPES = ("worker", "ps", "chief")
 # Losses and metrics by name for models that end in logits over classes (the
 # bundled builders; `tfdist.train` also takes any Keras loss and metrics).
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy",
@@ -62,6 +64,17 @@ def _non_negative(name: str, value, most: int = INT_MAX) -> None:
     _too_large(name, value, most)
 
 
+# Timeouts beyond a week are a typo, and beyond ~2**31 s they overflow
+# time.sleep and TensorFlow's int64 microsecond timeouts deep inside a run.
+SECONDS_MAX = 7 * 24 * 3600
+
+
+def _seconds(name: str, value) -> None:
+    if not (_finite(value) and 0 < value <= SECONDS_MAX):
+        raise ConfigError(f"{name}={value!r} must be a number of seconds > 0 and at most "
+                          f"{SECONDS_MAX} (a week)")
+
+
 def _finite(value) -> bool:
     """A real number other than inf and nan (nan and inf pass `> 0` checks)."""
     return (not isinstance(value, bool) and isinstance(value, numbers.Real)
@@ -91,19 +104,35 @@ class StrategyConfig(_Replace):
     # index in a comma-separated host:port list.
     worker_hosts: tuple = ()
     task_index: Optional[int] = None
+    # parameter_server without TF_CONFIG: the parameter servers' host:port
+    # list, and which list --task_index indexes (worker: --worker_hosts, whose
+    # first entry is the chief; ps: --ps_hosts).
+    ps_hosts: tuple = ()
+    task_type: str = "worker"
+    # parameter_server: split a variable over the parameter servers in shards
+    # of at least this many bytes (MinSizePartitioner); 0: never split.
+    ps_shard_bytes: int = 256 << 10
     # dtensor: the device mesh (batch x model axes) and ZeRO-1 optimizer state.
     mesh: str = "batch:1,model:2"
     shard_optimizer_state: bool = False
+    # horovod under an elastic horovodrun (--min-np/--max-np): the training
+    # state lives in Horovod's elastic state object, committed every
+    # elastic_commit_every steps (0: at the end of every loop, i.e. every
+    # steps_per_loop steps); when a rank dies the others roll back to the
+    # last commit and go on, and ranks that join start from it.
+    elastic: bool = False
+    elastic_commit_every: int = 0
 
     def __post_init__(self):
         _positive("virtual_devices", self.virtual_devices, allow_none=True)
         if self.collective not in COLLECTIVES:
             raise ConfigError(f"collective={self.collective!r} is not known; valid: "
                               f"{', '.join(COLLECTIVES)}")
-        if not (_finite(self.collective_timeout_s) and self.collective_timeout_s > 0):
-            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s!r} must be a "
-                              "finite number > 0")
+        _seconds("collective_timeout_s", self.collective_timeout_s)
         _non_negative("bytes_per_pack", self.bytes_per_pack)
+        _non_negative("elastic_commit_every", self.elastic_commit_every)
+        _one_of("task_type", self.task_type, TASK_TYPES)
+        _non_negative("ps_shard_bytes", self.ps_shard_bytes)
         try:
             sharding.parse_mesh(self.mesh)
         except UsageError as error:
@@ -212,6 +241,9 @@ class TrainConfig(_Replace):
     log_every: int = 0                  # steps between log lines; 0: every loop
     checkpoint_every: int = 0           # steps between checkpoints; 0: only at the end
     keep_checkpoints: int = 3
+    # Save each input pipeline's position (tf.data iterator state, shuffle
+    # buffer included) with every checkpoint, for an exact resume.
+    checkpoint_input: bool = True
     model_dir: Optional[str] = None     # None: no checkpoints, no summary file
     # After training the chief writes model.keras and a SavedModel here.
     export_dir: Optional[str] = None
@@ -287,9 +319,7 @@ class TrainConfig(_Replace):
         if self.on_nonfinite == "rollback" and not self.model_dir:
             raise ConfigError("on_nonfinite='rollback' restores the last checkpoint: set "
                               "model_dir (or use on_nonfinite=skip)")
-        if not (_finite(self.preemption_grace_s) and self.preemption_grace_s > 0):
-            raise ConfigError(f"preemption_grace_s={self.preemption_grace_s!r} must be a finite "
-                              "number > 0")
+        _seconds("preemption_grace_s", self.preemption_grace_s)
 
 
 @dataclasses.dataclass(frozen=True)

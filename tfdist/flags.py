@@ -56,7 +56,9 @@ _STRATEGY = flags.DEFINE_string(
     "Scale-out engine: default (one device), mirrored (all local devices), multi_worker "
     "(MultiWorkerMirroredStrategy over TF_CONFIG / --worker_hosts / Slurm), horovod "
     "(Horovod ranks under horovodrun; `make horovod` builds it), dtensor (tensor sharding "
-    "over --mesh).")
+    "over --mesh), parameter_server (asynchronous: ParameterServerStrategy with a chief, "
+    "workers and parameter servers from TF_CONFIG / --worker_hosts --ps_hosts, or "
+    "`tfdist-launch --workers=N --ps=P`).")
 _VIRTUAL_DEVICES = flags.DEFINE_integer(
     "virtual_devices", CLI_VIRTUAL_DEVICES,
     "On a host without GPUs, split the CPU into this many logical devices so "
@@ -66,7 +68,19 @@ _WORKER_HOSTS = flags.DEFINE_list(
     "worker_hosts", [], "multi_worker without TF_CONFIG: every worker's host:port, in order "
     "(the same list on every host); TF_CONFIG is written from it.")
 _TASK_INDEX = flags.DEFINE_integer(
-    "task_index", None, "multi_worker: this host's index in --worker_hosts.", lower_bound=0)
+    "task_index", None, "multi_worker: this host's index in --worker_hosts; parameter_server: "
+    "its index in the list --task_type names.", lower_bound=0)
+_PS_HOSTS = flags.DEFINE_list(
+    "ps_hosts", list(_STRATEGY_DEFAULTS.ps_hosts), "parameter_server without TF_CONFIG: every "
+    "parameter server's host:port (with --worker_hosts, whose first entry is the chief).")
+_TASK_TYPE = flags.DEFINE_enum(
+    "task_type", _STRATEGY_DEFAULTS.task_type, list(config_lib.TASK_TYPES),
+    "parameter_server with --ps_hosts: this process's list, worker (--worker_hosts; entry 0 "
+    "is the chief; chief is the same as worker 0) or ps (--ps_hosts).")
+_PS_SHARD_BYTES = flags.DEFINE_integer(
+    "ps_shard_bytes", _STRATEGY_DEFAULTS.ps_shard_bytes, "parameter_server: split variables "
+    "over the parameter servers in shards of at least this many bytes (MinSizePartitioner); "
+    "0: never split.", lower_bound=0)
 _COLLECTIVE = flags.DEFINE_enum(
     "collective", _STRATEGY_DEFAULTS.collective, list(config_lib.COLLECTIVES),
     "multi_worker collective implementation (CommunicationOptions).")
@@ -85,6 +99,16 @@ _SHARD_OPTIMIZER_STATE = flags.DEFINE_boolean(
     "shard_optimizer_state", _STRATEGY_DEFAULTS.shard_optimizer_state,
     "dtensor: also split optimizer slots over the batch axis (ZeRO-1), so per-device "
     "optimizer memory falls with the whole mesh.")
+_ELASTIC = flags.DEFINE_boolean(
+    "elastic", _STRATEGY_DEFAULTS.elastic,
+    "horovod under an elastic horovodrun (--min-np/--max-np --host-discovery-script): keep "
+    "the training state in Horovod's elastic state; when a rank dies the others roll back "
+    "to the last commit and continue, and ranks that join start from it. Other strategies: "
+    "an error.")
+_ELASTIC_COMMIT_EVERY = flags.DEFINE_integer(
+    "elastic_commit_every", _STRATEGY_DEFAULTS.elastic_commit_every,
+    "--elastic: commit the training state (to host memory) every N steps, the most a rank's "
+    "death loses; 0: at the end of every loop (every --steps_per_loop steps).", lower_bound=0)
 _PRINT_LAYOUTS = flags.DEFINE_boolean(
     "print_layouts", False,
     "dtensor: print every variable's path, global shape, sharding spec and per-device "
@@ -236,6 +260,10 @@ _MODEL_DIR = flags.DEFINE_string(
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every", _TRAIN_DEFAULTS.checkpoint_every, "Save a checkpoint every N steps (0: only at the end).", lower_bound=0)
 _KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", _TRAIN_DEFAULTS.keep_checkpoints, "Checkpoints to keep.", lower_bound=1)
+_CHECKPOINT_INPUT = flags.DEFINE_boolean(
+    "checkpoint_input", _TRAIN_DEFAULTS.checkpoint_input, "Save each input pipeline's position "
+    "(its shuffle buffer included) with every checkpoint, so a resumed run reads exactly the "
+    "batches an uninterrupted one reads; off: a resumed run draws a fresh permutation.")
 _SEED = flags.DEFINE_integer("seed", _TRAIN_DEFAULTS.seed, "Seed for weights, shuffling and synthetic data.", lower_bound=0)
 
 _DEFAULT_TRAIN_STEPS = _TRAIN_DEFAULTS.train_steps
@@ -245,6 +273,14 @@ _DEFAULT_TRAIN_STEPS = _TRAIN_DEFAULTS.train_steps
     ["train_steps", "epochs"], message="--train_steps and --epochs: set only one of them")
 def _one_length(values) -> bool:
     return values["train_steps"] is None or values["epochs"] is None
+
+
+@flags.multi_flags_validator(
+    ["ps_hosts", "task_type", "strategy"],
+    message="--ps_hosts and --task_type are for --strategy=parameter_server")
+def _parameter_server_only(values) -> bool:
+    return values["strategy"] == "parameter_server" or (
+        not values["ps_hosts"] and values["task_type"] == "worker")
 
 
 def _profile_steps() -> tuple:
@@ -267,7 +303,10 @@ def run_config() -> config_lib.RunConfig:
                 collective=_COLLECTIVE.value, collective_timeout_s=_COLLECTIVE_TIMEOUT_S.value,
                 bytes_per_pack=_BYTES_PER_PACK.value, worker_hosts=tuple(_WORKER_HOSTS.value),
                 task_index=_TASK_INDEX.value, mesh=_MESH.value,
-                shard_optimizer_state=_SHARD_OPTIMIZER_STATE.value),
+                ps_hosts=tuple(_PS_HOSTS.value), task_type=_TASK_TYPE.value,
+                ps_shard_bytes=_PS_SHARD_BYTES.value,
+                shard_optimizer_state=_SHARD_OPTIMIZER_STATE.value,
+                elastic=_ELASTIC.value, elastic_commit_every=_ELASTIC_COMMIT_EVERY.value),
             model=config_lib.ModelConfig(
                 name=_MODEL.value, width=_MODEL_WIDTH.value, depth=_MODEL_DEPTH.value,
                 num_heads=_NUM_HEADS.value, recompute=_RECOMPUTE.value),
@@ -291,6 +330,7 @@ def run_config() -> config_lib.RunConfig:
                 eval_every=_EVAL_EVERY.value,
                 log_every=_LOG_EVERY.value, checkpoint_every=_CHECKPOINT_EVERY.value,
                 keep_checkpoints=_KEEP_CHECKPOINTS.value, model_dir=_MODEL_DIR.value,
+                checkpoint_input=_CHECKPOINT_INPUT.value,
                 export_dir=_EXPORT_DIR.value, loss=_LOSS.value, metrics=tuple(_METRICS.value),
                 label_smoothing=_LABEL_SMOOTHING.value,
                 seed=_SEED.value, jit_compile=_JIT_COMPILE.value,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shlex
 import socket
 import threading
 import urllib.parse
@@ -97,6 +98,11 @@ def _prepare_lock(data_dir: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _q(path) -> str:
+    """`path` quoted for the shell, a newline shown as \\n: the message stays one line."""
+    return shlex.quote(str(path)).replace("\n", "\\n")
+
+
 def _builder(config: DataConfig):
     try:
         return tfds.builder(config.dataset, data_dir=config.data_dir)
@@ -104,10 +110,10 @@ def _builder(config: DataConfig):
         raise UsageError(
             f"--dataset={config.dataset!r} is not a known TFDS dataset; valid: the bundled "
             f"{', '.join(builders.BUNDLED)}, any TFDS catalog name, or a dataset prepared in "
-            f"--data_dir={config.data_dir or tfds.core.constants.DATA_DIR}") from None
+            f"--data_dir={_q(config.data_dir or tfds.core.constants.DATA_DIR)}") from None
     except Exception as error:  # e.g. data_dir is a file, or unreadable
-        raise UsageError(f"--dataset={config.dataset}: cannot open it in "
-                         f"--data_dir={config.data_dir}: {_first_line(error)}") from None
+        raise UsageError(f"--dataset={_q(config.dataset)}: cannot open it in "
+                         f"--data_dir={_q(config.data_dir)}: {_first_line(error)}") from None
 
 
 def _prepare(builder, config: DataConfig):
@@ -122,12 +128,13 @@ def _prepare(builder, config: DataConfig):
     if builder.is_prepared():
         return builder
     data_dir = str(builder.data_dir_root)
+    quoted = _q(data_dir)
     bundled = isinstance(builder, OfflineBuilder)
     if not bundled and not network_reachable():
         raise UsageError(
-            f"--dataset={config.dataset} is not prepared in --data_dir={data_dir} and cannot "
+            f"--dataset={config.dataset} is not prepared in --data_dir={quoted} and cannot "
             "be downloaded here (no network): on a machine with network run "
-            f"`tfds build {config.dataset} --data_dir={data_dir}` and copy {data_dir} here")
+            f"`tfds build {config.dataset} --data_dir={quoted}` and copy {quoted} here")
     try:
         with _prepare_lock(data_dir):
             if not builder.is_prepared():  # another local worker may have done it
@@ -138,7 +145,7 @@ def _prepare(builder, config: DataConfig):
     except Exception as error:
         raise UsageError(
             f"--dataset={config.dataset}: cannot be prepared in --data_dir="
-            f"{data_dir}: {_first_line(error)} (prepare it there with "
+            f"{quoted}: {_first_line(error)} (prepare it there with "
             "`tfds build`, or pick a bundled dataset: "
             f"{', '.join(builders.BUNDLED)})") from None
     return _builder(config)

@@ -14,6 +14,7 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 from tfdist.config import StrategyConfig
+from tfdist.errors import UsageError
 
 
 class Strategy(abc.ABC):
@@ -37,8 +38,14 @@ class Strategy(abc.ABC):
     supports_xla: bool = True
     supports_xla_reason: str = ""
     xla_whole_step: bool = False
+    # Whether the engine can lose and gain workers during a run (--elastic).
+    supports_elastic: bool = False
 
     def __init__(self, config: StrategyConfig):
+        if config.elastic and not self.supports_elastic:
+            raise UsageError(f"--elastic: --strategy={config.name} cannot change its number "
+                             "of workers during a run; --strategy=horovod under an elastic "
+                             "horovodrun (--min-np/--max-np) can")
         self.config = config
         # Counts cross-replica reductions traced into step functions; tests use
         # it to prove one reduction per update (accumulation must not add more).
@@ -59,6 +66,36 @@ class Strategy(abc.ABC):
 
     def close(self) -> None:
         """Release engine resources (idempotent)."""
+
+    # -- the training run ----------------------------------------------------
+    def run_training(self, train: Callable[[], Any], state_variables: Sequence) -> Any:
+        """Run the outer training loop `train()` (which starts at the step the
+        state holds) and return its result.
+
+        Every replica starts from the chief's `state_variables` (its initial
+        values, or the checkpoint it restored). An elastic engine instead
+        keeps them in its own state: when workers leave or join it rolls them
+        back to the last commit, re-forms the group and calls `train()` again.
+        """
+        self.broadcast_variables(state_variables)
+        return train()
+
+    @property
+    def commit_every(self) -> int:
+        """Steps between commits of an elastic engine's state (0: none, or at
+        the end of every loop); the outer loop regains control at each."""
+        return 0
+
+    def end_of_loop(self, step: int) -> None:
+        """Called by every worker after each outer loop, at global `step`
+        (elastic engines commit their state here)."""
+
+    def serve(self) -> bool:
+        """Engines with processes that only serve others (parameter servers,
+        workers that run what a coordinator schedules): run this process's
+        server until the job ends and return True, and the caller trains
+        nothing here. False (the default): this process trains."""
+        return False
 
     # -- topology ----------------------------------------------------------
     @property
@@ -140,6 +177,29 @@ class Strategy(abc.ABC):
         import tensorflow as tf
         return tf.function(fn)
 
+    def loop_function(self, fn: Callable, combine: Callable) -> Callable:
+        """The trainer's loop `fn(iterator, num_steps, *options)` for this engine.
+
+        By default one call of `function(fn)` runs all `num_steps` steps in
+        graph. An engine that runs steps as independent tasks (parameter
+        servers: each step is scheduled on whichever worker is free) may
+        instead call `fn` several times with fewer steps and merge the results
+        with `combine([(steps, result), ...])` (in the order the steps were issued).
+        """
+        del combine
+        return self.function(fn)
+
+    def loop_metrics(self) -> dict:
+        """Engine-specific scalars of the last loop, for progress and TensorBoard."""
+        return {}
+
+    def gradients(self, tape, target, variables) -> list:
+        """Gradients of `target` for `variables` (unconnected ones are zeros);
+        engines whose variables are split into shards override this."""
+        import tensorflow as tf
+        return tape.gradient(target, variables,
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
     # -- data --------------------------------------------------------------
     @abc.abstractmethod
     def distribute_dataset(self, dataset_fn: Callable) -> Any:
@@ -148,6 +208,19 @@ class Strategy(abc.ABC):
         `dataset_fn` returns this input pipeline's dataset already batched by
         the per-replica batch size (`input_context.get_per_replica_batch_size`).
         """
+
+    def input_iterator(self, dataset_fn: Callable):
+        """The training iterator over `dataset_fn`'s batches, and the tf.data
+        iterator whose state is this process's input position (None where the
+        engine's iterator cannot be checkpointed: a resumed run then draws a
+        fresh permutation). Batches are taken with `next_batch` in the loop."""
+        import tensorflow as tf
+        iterator = iter(self.distribute_dataset(dataset_fn))
+        return iterator, (iterator if isinstance(iterator, tf.data.Iterator) else None)
+
+    def next_batch(self, iterator):
+        """The next per-replica batch from `input_iterator`'s iterator (in a tf.function)."""
+        return next(iterator)
 
     # -- stepping ----------------------------------------------------------
     @abc.abstractmethod

@@ -294,6 +294,12 @@ class DTensorStrategy(Strategy):
     def num_input_pipelines(self) -> int:
         return 1   # one global-batch pipeline; DTensorDataset splits it over the mesh
 
+    def input_iterator(self, dataset_fn):
+        # DTensorDataset's iterator subclasses tf.data's OwnedIterator but
+        # cannot be saved (TF 2.21: AttributeError '_dataset' in
+        # `_serialize_to_tensors`): a resumed run draws a fresh permutation.
+        return iter(self.distribute_dataset(dataset_fn)), None
+
     def distribute_dataset(self, dataset_fn):
         """Global batches from `dataset_fn`, split over the mesh's `batch` axis.
 

@@ -8,15 +8,29 @@ build against current TensorFlow as published; `make horovod` builds it
 calls `.ref()` on its sources, which Keras 3 variables lack, so this adapter
 all-reduces gradient tensors directly (`grouped_allreduce`), which is also
 what lets accumulation reduce once per update.
+
+`--elastic` (under `horovodrun --min-np/--max-np --host-discovery-script`):
+the model, optimizer and step variables live in a Horovod elastic state
+(`horovod.common.elastic`), committed every `--elastic_commit_every` steps.
+When a rank dies, the others' next collective fails: they roll back to the
+last commit, re-form the group (`shutdown`, `init`), re-broadcast rank 0's
+state and the trainer runs its loop again with the new number of replicas
+(same global batch, re-sharded data, re-traced functions). A rank that joins
+gets the state in the same broadcast. See BUILD_NOTES.md for what of
+Horovod's own elastic TensorFlow helpers does not work with Keras 3.
 """
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
+from absl import logging
 
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
 
+ELASTIC_GLOO_TIMEOUT_S = 120
 BUILD_HINT = "build it with `make horovod` (launch/build_horovod.sh; see BUILD_NOTES.md)"
 
 
@@ -37,14 +51,28 @@ class HorovodStrategy(Strategy):
 
     name = "horovod"
     process_unit = "rank"
+    supports_elastic = True
 
     def setup(self) -> None:
         hvd = _import_horovod()
+        launched_elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if self.config.elastic and "HOROVOD_RANK" in os.environ and not launched_elastic:
+            raise UsageError("--elastic needs an elastic horovodrun (--min-np/--max-np with "
+                             "--host-discovery-script); this one has a fixed -np")
+        if self.config.elastic:
+            # Ranks re-forming the group wait in hvd.init for a joining rank,
+            # which first has to import TensorFlow (10-20 s on a loaded host);
+            # past Gloo's timeout (30 s) they abort (gloo::IoException).
+            os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(ELASTIC_GLOO_TIMEOUT_S))
         hvd.init()
+        if launched_elastic and not self.config.elastic and hvd.rank() == 0:
+            logging.warning("an elastic horovodrun without --elastic: a rank that fails still "
+                            "ends the run")
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:  # one GPU per local rank
             tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
         self._hvd = hvd
+        self._reforms = 0   # --elastic: times the group was re-formed
 
     def close(self) -> None:
         """Shut Horovod's background thread down cleanly at the end of a run."""
@@ -64,8 +92,70 @@ class HorovodStrategy(Strategy):
         return self._hvd.rank()
 
     def describe(self) -> str:
+        elastic = ""
+        if self.config.elastic:
+            every = self.config.elastic_commit_every
+            elastic = (f", elastic (commit every {every} steps)" if every
+                       else ", elastic (commit every loop)")
         return (f"horovod: {self.num_replicas} rank(s); this is rank {self.worker_index} "
-                f"(local rank {self._hvd.local_rank()})")
+                f"(local rank {self._hvd.local_rank()}){elastic}")
+
+    # -- elastic -------------------------------------------------------------
+    @property
+    def commit_every(self) -> int:
+        return self.config.elastic_commit_every if self.config.elastic else 0
+
+    def run_training(self, train, state_variables):
+        if not self.config.elastic:
+            return super().run_training(train, state_variables)
+        from horovod.common.elastic import run_fn
+        from horovod.common.exceptions import HorovodInternalError
+
+        self._elastic_state = _elastic_state(self, list(state_variables))
+
+        def attempt(state):
+            try:
+                return train()
+            except tf.errors.OpError as error:
+                # A collective failed because a rank died (Horovod shut down):
+                # roll back and re-form. hvd.elastic.run recognises only some
+                # op names (not HorovodGroupedAllreduce) and returns None for
+                # any other UnknownError, so tfdist translates errors itself.
+                lines = [line.strip() for line in str(error.message).splitlines()
+                         if "Horovod" in line]
+                if not lines:
+                    raise
+                why = [line for line in lines if not line.startswith("Detected at node")]
+                logging.warning("%s: a collective failed (%s); rolling back to the last "
+                                "commit and re-forming the ranks", self.describe_process(),
+                                (why or lines)[0][:300])
+                raise HorovodInternalError(error) from None
+
+        return run_fn(attempt, self._reform)(self._elastic_state)
+
+    def _reform(self) -> None:
+        """Re-form the group after ranks left or joined (Horovod's elastic reset)."""
+        before = self._hvd.size()
+        self._hvd.shutdown()
+        self._hvd.init()
+        self._reforms += 1
+        self._any_worker_fn = None   # traced for the old group: Horovod ops would hang
+        logging.warning("%s: ranks re-formed: %d -> %d rank(s); training goes on from the "
+                        "last commit", self.describe_process(), before, self._hvd.size())
+
+    def summary_fields(self, model, optimizer) -> dict:
+        if not self.config.elastic:
+            return {}
+        return {"elastic_reforms": self._reforms}   # as the final chief saw them
+
+    def end_of_loop(self, step: int) -> None:
+        if not self.config.elastic:
+            return
+        every = self.config.elastic_commit_every
+        if not every or step % every == 0:
+            # Copies the state to host memory, then (one small broadcast) raises
+            # HostsUpdatedInterrupt on every rank if ranks are to join or leave.
+            self._elastic_state.commit()
 
     def distribute_dataset(self, dataset_fn):
         context = tf.distribute.InputContext(
@@ -96,3 +186,42 @@ class HorovodStrategy(Strategy):
         text = str(getattr(error, "message", error)).strip().splitlines()
         return (f"rank {self.worker_index}: Horovod collective failed (a peer rank died or "
                 f"timed out): {text[0] if text else type(error).__name__}")
+
+
+def _elastic_state(strategy, variables):
+    """A Horovod elastic state of `variables` (Keras 3 variables or tf.Variables).
+
+    Horovod's own helpers do not fit Keras 3 (BUILD_NOTES.md): its
+    `TensorFlowKerasState` calls `optimizer.variables()` (a list in Keras 3);
+    its `TensorFlowState` fails on Keras 3 variables, and in eager TF2 it
+    broadcasts only when constructed (its `sync` needs a TF1 session), so a
+    rank that joins would keep its own initial weights. This one copies the
+    values to host memory on commit and broadcasts rank 0's in `sync` with
+    the adapter's own broadcast.
+    """
+    from horovod.common.elastic import ObjectState
+
+    class VariablesState(ObjectState):
+        def __init__(self):
+            self._save_variables()
+            super().__init__(bcast_object=strategy._hvd.broadcast_object,
+                             get_rank=strategy._hvd.rank)
+
+        def _save_variables(self):
+            self._values = [variable.numpy() for variable in variables]
+
+        def save(self):
+            self._save_variables()
+            super().save()
+
+        def restore(self):
+            for variable, value in zip(variables, self._values):
+                variable.assign(value)
+            super().restore()
+
+        def sync(self):
+            strategy.broadcast_variables(variables)
+            self._save_variables()
+            super().sync()
+
+    return VariablesState()

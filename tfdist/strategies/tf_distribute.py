@@ -41,6 +41,42 @@ class TFDistributeStrategy(Strategy):
     def distribute_dataset(self, dataset_fn):
         return self._strategy.distribute_datasets_from_function(dataset_fn)
 
+    def input_iterator(self, dataset_fn):
+        """tf.distribute's distributed iterators cannot be checkpointed (TF
+        2.21), so each process reads one plain tf.data iterator, whose state
+        can, of its replicas' batches (stacked [local replicas, batch, ...]
+        where it has several); `next_batch` hands each replica its own.
+        The replicas see exactly the batches `distribute_datasets_from_function`
+        gives them (round robin over the pipeline's batches)."""
+        if self.num_replicas == 1:   # the default strategy: a plain tf.data iterator
+            return super().input_iterator(dataset_fn)
+        local = self.num_replicas // self.num_workers
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.num_input_pipelines, input_pipeline_id=self.worker_index,
+            num_replicas_in_sync=self.num_replicas)
+        with tf.device("/cpu:0"):   # the host, like tf.distribute's input pipelines
+            dataset = dataset_fn(context)
+            if local > 1:
+                dataset = dataset.batch(local, drop_remainder=True).prefetch(1)
+            iterator = iter(dataset)
+        self._local_replicas = local
+        return iterator, iterator
+
+    def next_batch(self, iterator):
+        local = getattr(self, "_local_replicas", None)
+        if local is None:
+            return next(iterator)
+        batches = next(iterator)
+        first = self.worker_index * local   # this process's first replica id
+
+        def replica_batch(context):
+            if local == 1:
+                return batches
+            index = context.replica_id_in_sync_group - first
+            return tf.nest.map_structure(lambda t: t[index], batches)
+
+        return self._strategy.experimental_distribute_values_from_function(replica_batch)
+
     def run(self, replica_fn, *args):
         per_replica = self._strategy.run(replica_fn, args=args)
         return tf.nest.map_structure(

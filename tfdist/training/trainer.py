@@ -15,17 +15,19 @@ import time
 from typing import Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.checkpointing import Checkpointer
+from tfdist.checkpointing import Checkpointer, InputPosition
 from tfdist.data import inputs as inputs_lib
 from tfdist.observe import flops as flops_lib
+from tfdist.observe import logs
 from tfdist.observe.progress import Progress
 from tfdist.observe import tensorboard
 from tfdist.observe.tensorboard import Profiler, TensorBoard
 from tfdist.strategies.base import Strategy
-from tfdist.errors import NonFiniteLoss, UsageError
+from tfdist.errors import NonFiniteLoss, UsageError, WorkerFault
 from tfdist.training import optimizers, xla
 from tfdist.training.compression import GradientCompression
 from tfdist.training.interrupts import Preempted, StopSignals
@@ -37,7 +39,6 @@ from tfdist.training.task import Task, task_for
 # then every metric's state change (`Task.metric_deltas`); the train loop
 # appends the global gradient norm at its last step.
 _LOSS_NUMERATOR, _LOSS_DIVISOR, _METRICS = 0, 1, 2
-_ZERO = tf.UnconnectedGradients.ZERO
 
 
 def _apply_if(finite, optimizer, grads, variables) -> None:
@@ -122,15 +123,9 @@ class Trainer:
                 model=model, optimizer=optimizer, step=self.step)
         self.jit_level = jit_level
         self.flops_per_example, self.peak_tflops = flops_per_example, peak_tflops
-        # XLA: the whole replica step where the engine's sum is no collective;
-        # else the gradients, and the update fused per variable, around the sum.
-        self._step_fn, self._gradients_fn = self._replica_train_step, self._local_gradients
-        if jit_level == xla.STEP and strategy.xla_whole_step:
-            self._step_fn = tf.function(self._replica_train_step, jit_compile=True)
-        elif jit_level == xla.STEP:
-            self._gradients_fn = tf.function(self._local_gradients, jit_compile=True)
-            xla.fuse_optimizer_update(optimizer)
-        elif jit_level == xla.OPTIMIZER:
+        # XLA outside a whole-step compilation (`_compile_loops`): each
+        # variable's optimizer update fused into one kernel.
+        if jit_level == xla.OPTIMIZER or (jit_level == xla.STEP and not strategy.xla_whole_step):
             xla.fuse_optimizer_update(optimizer)
         self.tensorboard = TensorBoard(tc.model_dir, enabled=strategy.is_chief)
         profile_dir = tc.model_dir and tensorboard.directory(tc.model_dir)
@@ -142,8 +137,22 @@ class Trainer:
         self.grad_agreement: dict = {}
         self.nonfinite_steps, self.rollbacks = 0, 0   # --on_nonfinite=skip / rollback
         self.loop_start = 0   # the step the running loop began at (for fault messages)
-        self._train_loop = strategy.function(self._train_loop_fn)
-        self._eval_loop = strategy.function(self._eval_loop_fn)
+        self._runs = 0   # calls of `_train_to_end` (an elastic engine may repeat it)
+        self._compile_loops()
+
+    def _compile_loops(self) -> None:
+        """(Re)create the traced step and loop functions. They bake in the
+        number of replicas, and Horovod's ops hang when run after the group was
+        re-formed, so an elastic engine's membership change needs fresh ones.
+        XLA: the whole replica step where the engine's sum is no collective;
+        else the gradients (and the update, fused per variable) around the sum."""
+        self._step_fn, self._gradients_fn = self._replica_train_step, self._local_gradients
+        if self.jit_level == xla.STEP and self.strategy.xla_whole_step:
+            self._step_fn = tf.function(self._replica_train_step, jit_compile=True)
+        elif self.jit_level == xla.STEP:
+            self._gradients_fn = tf.function(self._local_gradients, jit_compile=True)
+        self._train_loop = self.strategy.loop_function(self._train_loop_fn, self._combine_loops)
+        self._eval_loop = self.strategy.function(self._eval_loop_fn)
 
     # -- replica steps (run on every replica inside tf.function) -----------
     def _micro_batch_gradients(self, x, y, weight):
@@ -173,11 +182,10 @@ class Trainer:
         # Dense gradients: embeddings give IndexedSlices, which neither sum
         # across micro-batches nor cast for compression; the engines densify
         # them for the all-reduce anyway (Horovod's sparse_as_dense).
-        grads = _dense(tape.gradient(scaled_loss, variables, unconnected_gradients=_ZERO))
+        grads = _dense(self.strategy.gradients(tape, scaled_loss, variables))
         self._split_regularization = regularization is not None and not global_divisor
         if self._split_regularization:  # not to be rescaled with the data's gradient
-            grads += _dense(tape.gradient(scaled_regularization, variables,
-                                            unconnected_gradients=_ZERO))
+            grads += _dense(self.strategy.gradients(tape, scaled_regularization, variables))
         del tape
         counters = tf.concat([tf.stack([numerator, divisor]),
                               self.task.metric_deltas(y, y_pred, weight)], axis=0)
@@ -323,10 +331,11 @@ class Trainer:
             # say so to the while loop, or it may start the next step's
             # collectives early, which engines that name them (Horovod) refuse.
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            totals, bad, first_bad = add(self.strategy.run(self._step_fn, next(iterator))[0],
+            batch = self.strategy.next_batch(iterator)
+            totals, bad, first_bad = add(self.strategy.run(self._step_fn, batch)[0],
                                          i, totals, bad, first_bad)
-        step_totals, agreement = self.strategy.run(self._step_fn, next(iterator), True,
-                                                   measure_agreement)
+        step_totals, agreement = self.strategy.run(
+            self._step_fn, self.strategy.next_batch(iterator), True, measure_agreement)
         totals, bad, first_bad = add(step_totals, num_steps - 1, totals, bad, first_bad)
         if self.strategy.replica_copies > 1 and self._synced_state():
             summed = self.strategy.run(self._replica_sum_state)
@@ -334,6 +343,23 @@ class Trainer:
                 variable.assign(total / self.strategy.replica_copies)
         self.step.assign_add(tf.cast(num_steps, tf.int64))
         return tf.concat([totals, [bad, first_bad]], axis=0), agreement
+
+    def _combine_loops(self, parts):
+        """One loop's result from [(steps, (totals, agreement)), ...] of calls
+        that ran its steps in pieces (`Strategy.loop_function`): counters and
+        non-finite counts add up, the first non-finite step is offset by the
+        steps before its piece, the gradient norm and agreement are the last piece's."""
+        size, offset = self._counters_size, 0
+        totals, first_bad = None, -1.0
+        for steps, (piece, _) in parts:
+            piece = np.asarray(piece, dtype=np.float32)
+            if first_bad < 0 and piece[size + 2] >= 0:
+                first_bad = offset + float(piece[size + 2])
+            totals = piece.copy() if totals is None else totals + piece
+            offset += steps
+        totals[size] = parts[-1][1][0][size]   # the last step's gradient norm
+        totals[size + 2] = first_bad
+        return tf.constant(totals), tf.constant(parts[-1][1][1])
 
     def _eval_loop_fn(self, iterator, num_steps):
         totals = tf.zeros([self._counters_size])
@@ -343,17 +369,45 @@ class Trainer:
         return totals
 
     # -- outer loop ----------------------------------------------------------
-    def _make_data(self, start_step: int):
-        tc, strategy = self.train_config, self.strategy
-        # The input position is not checkpointed (it would store the shuffle
-        # buffer); a resumed run instead draws a fresh, seeded permutation so
-        # it does not replay the batches the first steps already saw.
-        seed = tc.seed + 7919 * start_step
-        train = strategy.distribute_dataset(inputs_lib.train_dataset_fn(
+    def _train_iterator(self, seed: int):
+        # More than the split holds buys nothing (and 2**63 would not allocate).
+        buffer = min(self.config.data.shuffle_buffer,
+                     self.inputs.spec.train_examples or self.config.data.shuffle_buffer)
+        iterator, state = self.strategy.input_iterator(inputs_lib.train_dataset_fn(
             self.inputs, global_batch_size=self.global_batch_size, seed=seed,
-            # More than the split holds buys nothing (and 2**63 would not allocate).
-            shuffle_buffer=min(self.config.data.shuffle_buffer,
-                               self.inputs.spec.train_examples or self.config.data.shuffle_buffer)))
+            shuffle_buffer=buffer))
+        position = None
+        if state is not None and self.checkpointer is not None and \
+                self.train_config.checkpoint_input:
+            strategy = self.strategy
+            position = InputPosition(
+                self.checkpointer.directory, state, keep=self.checkpointer.keep,
+                pipeline=strategy.worker_index, pipelines=strategy.num_input_pipelines,
+                signature={"batch": self.global_batch_size, "seed": seed, "buffer": buffer,
+                           "replicas": strategy.num_replicas, "spec": repr(self.inputs.spec),
+                           "element": repr(state.element_spec)})
+        return iterator, position
+
+    def _make_data(self, start_step: int):
+        """The training iterator at `start_step`, and the evaluation data.
+
+        A resumed run continues from the input position saved with its
+        checkpoint, so it reads exactly the batches an uninterrupted run
+        reads. Where there is none (an engine whose iterators cannot be
+        checkpointed, other input settings, a missing or damaged position)
+        it draws a fresh, seeded permutation instead, so it does not replay
+        the batches the first steps already saw."""
+        tc, strategy = self.train_config, self.strategy
+        iterator, position = self._train_iterator(tc.seed)
+        if start_step and not (position and position.restore(start_step)):
+            why = (f"no input position was saved at step {start_step}" if position
+                   else "--nocheckpoint_input" if not tc.checkpoint_input
+                   else f"--strategy={strategy.name} cannot checkpoint its input iterator")
+            logging.warning("%s: %s; reading a fresh permutation of the data",
+                            strategy.describe_process(), why)
+            iterator, position = self._train_iterator(tc.seed + 7919 * start_step)
+        if self.checkpointer is not None:
+            self.checkpointer.input_position = position
         self._eval_data = None
         if self.inputs.has_eval:
             pipelines = strategy.num_input_pipelines
@@ -362,7 +416,7 @@ class Trainer:
             self._eval_data = strategy.distribute_dataset(inputs_lib.eval_dataset_fn(
                 self.inputs, global_batch_size=self.global_batch_size, steps=self.eval_steps,
                 replicas_per_pipeline=strategy.replica_copies // pipelines))
-        return iter(train)
+        return iterator
 
     def _results(self, totals) -> dict:
         return self.task.results(float(totals[_LOSS_NUMERATOR]), float(totals[_LOSS_DIVISOR]),
@@ -380,7 +434,7 @@ class Trainer:
         tc = self.train_config
         stop = min(self.total_steps, step + tc.steps_per_loop)
         for every in (tc.eval_every, tc.checkpoint_every, tc.log_every,
-                      tc.grad_agreement_every):
+                      tc.grad_agreement_every, self.strategy.commit_every):
             if every:
                 stop = min(stop, (step // every + 1) * every)
         for boundary in self.profiler.boundaries():
@@ -468,10 +522,49 @@ class Trainer:
         tc = self.train_config
         if self.checkpointer:
             self.checkpointer.restore_latest()
-        # Every replica starts from the chief's state (its initial values, or
-        # the checkpoint it restored), even where workers cannot see its files.
-        self.strategy.broadcast_variables(
-            [*self.model.variables, *self.optimizer.variables, self.step])
+        signals = StopSignals(tc.preemption_grace_s, describe=self.strategy.describe_process)
+        try:
+            signals.__enter__()
+            # Every replica starts from the chief's state (its initial values,
+            # or the checkpoint it restored), even where workers cannot see its
+            # files. An elastic engine runs the loop again from its last
+            # commit after workers left or joined.
+            return self.strategy.run_training(
+                lambda: self._train_to_end(signals),
+                [*self.model.variables, *self.optimizer.variables, self.step])
+        finally:
+            signals.__exit__(None, None, None)
+            self.profiler.stop()
+            self.tensorboard.close()
+
+    def _regrouped(self) -> None:
+        """Workers left or joined (elastic): the number of replicas, this
+        process's rank and who is chief may all have changed."""
+        chief, tc = self.strategy.is_chief, self.train_config
+        logs.configure(self.strategy, log_all_ranks=tc.log_all_ranks)   # "[rank 0/1 chief]"
+        if chief:
+            logging.set_verbosity(logging.INFO)
+        replicas, step = self.strategy.num_replicas, int(self.strategy.to_host(self.step).numpy())
+        if self.global_batch_size % (replicas * tc.accum_steps):
+            raise WorkerFault(f"{self.strategy.describe_process()}: the ranks changed to "
+                              f"{replicas}, which do not divide --global_batch_size="
+                              f"{self.global_batch_size} (x --accum_steps={tc.accum_steps})")
+        logging.warning("%s: now %d replica(s) (global batch %d = %d x %d); going on from "
+                        "step %d", self.strategy.describe_process(), replicas,
+                        self.global_batch_size, replicas, self.global_batch_size // replicas,
+                        step)
+        self._compile_loops()
+        self._logs_here = chief or tc.log_all_ranks
+        self.tensorboard.enabled = bool(tc.model_dir) and chief
+        if self.checkpointer:
+            self.checkpointer.is_chief = chief
+
+    def _train_to_end(self, signals: StopSignals) -> dict:
+        """The outer loop, from the step the state holds to `total_steps`."""
+        tc = self.train_config
+        if self._runs:   # run again by an elastic engine: the ranks were re-formed
+            self._regrouped()
+        self._runs += 1
         step = int(self.strategy.to_host(self.step).numpy())
         iterator = self._make_data(step)
         progress = Progress(self.total_steps, start=step, enabled=self._logs_here,
@@ -479,61 +572,56 @@ class Trainer:
         timed_examples, timed_seconds, first_loop = 0, 0.0, True
         train_metrics, eval_metrics = {}, {}
         every = tc.grad_agreement_every
-        signals = StopSignals(tc.preemption_grace_s, describe=self.strategy.describe_process)
-        try:
-            signals.__enter__()
-            while step < self.total_steps:
-                stop = self._next_stop(step)
-                self.loop_start = step
-                self.profiler.before_loop(step)
-                started = time.perf_counter()
-                totals, agreement = self._train_loop(
-                    iterator, tf.constant(stop - step), bool(every) and stop % every == 0)
-                totals = totals.numpy()
-                seconds = time.perf_counter() - started
-                if totals[self._counters_size + 1]:   # non-finite losses in this loop
-                    rolled_back = self._on_nonfinite(totals, step)
-                    if rolled_back is not None:
-                        step = rolled_back
-                        continue
-                self.profiler.after_loop(stop)
-                examples = (stop - step) * self.global_batch_size
-                if not first_loop:  # the first call traces and compiles the graph
-                    timed_examples += examples
-                    timed_seconds += seconds
-                first_loop, step = False, stop
-                train_metrics = {
-                    **self._results(totals),
-                    "examples_per_sec": examples / seconds,
-                    **self._throughput(examples / seconds),
-                    "learning_rate": optimizers.current_learning_rate(self.optimizer),
-                    "grad_norm": float(totals[self._counters_size])}
-                loss_scale = Precision.loss_scale(self.optimizer)
-                if loss_scale is not None:
-                    train_metrics["loss_scale"] = loss_scale
-                logged = dict(train_metrics)
-                if every and step % every == 0:
-                    self.grad_agreement = self._agreement_metrics(agreement.numpy())
-                    logged.update(self.grad_agreement)
-                if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
-                    eval_metrics = self.evaluate()
-                    logged.update(eval_metrics)
-                if self.checkpointer and ((tc.checkpoint_every and step % tc.checkpoint_every == 0)
-                                          or step == self.total_steps):
-                    self.checkpointer.save(step)
-                if self.strategy.replica_copies > 1:   # an explicit all-reduce
-                    logged["bytes_reduced_per_update"] = self.bytes_per_update
-                self.tensorboard.write(step, logged)
-                progress.update(step, {**train_metrics, **eval_metrics},
-                                log=not tc.log_every or step % tc.log_every == 0
-                                or step == self.total_steps)
-                self._check_signals(signals, step)
-            if not eval_metrics and self.inputs.has_eval:
-                eval_metrics = self.evaluate()  # resumed at the final step: still report accuracy
-        finally:
-            signals.__exit__(None, None, None)
-            self.profiler.stop()
-            self.tensorboard.close()
+        while step < self.total_steps:
+            stop = self._next_stop(step)
+            self.loop_start = step
+            self.profiler.before_loop(step)
+            started = time.perf_counter()
+            totals, agreement = self._train_loop(
+                iterator, tf.constant(stop - step), bool(every) and stop % every == 0)
+            totals = totals.numpy()
+            seconds = time.perf_counter() - started
+            if totals[self._counters_size + 1]:   # non-finite losses in this loop
+                rolled_back = self._on_nonfinite(totals, step)
+                if rolled_back is not None:
+                    step = rolled_back
+                    continue
+            self.profiler.after_loop(stop)
+            examples = (stop - step) * self.global_batch_size
+            if not first_loop:  # the first call traces and compiles the graph
+                timed_examples += examples
+                timed_seconds += seconds
+            first_loop, step = False, stop
+            train_metrics = {
+                **self._results(totals),
+                "examples_per_sec": examples / seconds,
+                **self._throughput(examples / seconds),
+                "learning_rate": optimizers.current_learning_rate(self.optimizer),
+                "grad_norm": float(totals[self._counters_size])}
+            loss_scale = Precision.loss_scale(self.optimizer)
+            if loss_scale is not None:
+                train_metrics["loss_scale"] = loss_scale
+            logged = dict(train_metrics)
+            if every and step % every == 0:
+                self.grad_agreement = self._agreement_metrics(agreement.numpy())
+                logged.update(self.grad_agreement)
+            if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
+                eval_metrics = self.evaluate()
+                logged.update(eval_metrics)
+            if self.checkpointer and ((tc.checkpoint_every and step % tc.checkpoint_every == 0)
+                                      or step == self.total_steps):
+                self.checkpointer.save(step)
+            if self.strategy.replica_copies > 1:   # an explicit all-reduce
+                logged["bytes_reduced_per_update"] = self.bytes_per_update
+            logged.update(self.strategy.loop_metrics())
+            self.tensorboard.write(step, logged)
+            progress.update(step, {**train_metrics, **eval_metrics},
+                            log=not tc.log_every or step % tc.log_every == 0
+                            or step == self.total_steps)
+            self._check_signals(signals, step)
+            self.strategy.end_of_loop(step)
+        if not eval_metrics and self.inputs.has_eval:
+            eval_metrics = self.evaluate()  # resumed at the final step: still report accuracy
         if timed_seconds:
             train_metrics["examples_per_sec"] = timed_examples / timed_seconds
             train_metrics.update(self._throughput(timed_examples / timed_seconds))
