@@ -55,6 +55,7 @@ bench: $(STAMP)
 	-$(MAKE) --no-print-directory horovod
 	$(BIN)/python bench/horovod_vs_multi_worker.py
 	$(BIN)/python bench/dtensor.py
+	$(BIN)/python bench/parameter_server.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

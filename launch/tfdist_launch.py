@@ -1,6 +1,15 @@
 """tfdist-launch: run N workers of one command on this host as a TF_CONFIG cluster.
 
     tfdist-launch --workers=2 [--max_restarts=R] -- tfdist-train --strategy=multi_worker ...
+    tfdist-launch --workers=2 --ps=1 -- tfdist-train --strategy=parameter_server ...
+
+With `--ps=P` the cluster is a chief (the coordinator), N workers and P
+parameter servers (TF_CONFIG `chief`, `worker`, `ps` tasks; output prefixed
+`[chief 0] `, `[worker i] `, `[ps j] `). There the chief decides: when it exits
+the rest are stopped, and a worker that dies is only reported (the chief
+runs its steps on the other workers); a parameter server that dies fails
+the chief's next step, so the group is stopped when the chief exits (or
+--grace_s after the death at the latest).
 
 Each worker gets its own `TF_CONFIG` (same cluster, its own task index) and
 `TFDIST_LAUNCH_ATTEMPT` (0, then 1, 2, ... after restarts). Output lines are
@@ -45,6 +54,9 @@ def _parser():
                             "stop them all when one fails, optionally restart the group.")
     p.add_argument("--workers", type=int, required=True, metavar="N",
                    help="number of worker processes (>= 1)")
+    p.add_argument("--ps", type=int, default=0, metavar="P",
+                   help="parameter servers: start a chief, N workers and P parameter servers "
+                        "(--strategy=parameter_server); default 0: N workers, no chief")
     p.add_argument("--max_restarts", type=int, default=0, metavar="R",
                    help="restart the whole group after a failure up to R times (default 0)")
     p.add_argument("--port_base", type=int, default=None, metavar="P",
@@ -71,6 +83,8 @@ def parse_args(argv):
                          f"e.g. {PROG} --workers=2 -- tfdist-train --strategy=multi_worker")
     if opts.workers < 1:
         raise UsageError(f"--workers={opts.workers} must be at least 1")
+    if opts.ps < 0:
+        raise UsageError(f"--ps={opts.ps} must be 0 or more")
     if opts.max_restarts < 0:
         raise UsageError(f"--max_restarts={opts.max_restarts} must be 0 or more")
     if opts.port_base is not None and not 1 <= opts.port_base <= 65535:
@@ -136,6 +150,21 @@ def tf_config(host, ports, index):
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
+def ps_roles(workers, ps):
+    """(task type, index) of every process of a parameter-server cluster."""
+    return ([("chief", 0)] + [("worker", i) for i in range(workers)]
+            + [("ps", j) for j in range(ps)])
+
+
+def ps_tf_config(host, ports, roles, position):
+    """TF_CONFIG of process `position` of a chief/worker/ps cluster (one port each)."""
+    cluster = {}
+    for (role, _), port in zip(roles, ports):
+        cluster.setdefault(role, []).append(f"{host}:{port}")
+    role, index = roles[position]
+    return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})
+
+
 _STEP_LINE = re.compile(rb"step (\d+)/(\d+)")
 # tfdist-train's start-up line "dataset D: global batch G = R replica(s) x P[, K micro-batches of M]; ..."
 _BATCH_LINE = re.compile(rb"global batch (\d+ = \d+ replica\(s\) x \d+(?:, \d+ micro-batches of \d+)?)")
@@ -192,11 +221,11 @@ def _oom_kills(path):
 class Worker:
     """One worker process in its own session, so a signal reaches its whole process group."""
 
-    def __init__(self, index, cmd, env):
-        self.index = index
+    def __init__(self, index, cmd, env, role="worker"):
+        self.index, self.role = index, role
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
-        prefix = f"[worker {index}] ".encode()
+        prefix = f"[{role} {index}] ".encode()
         self.last_step = None              # from its progress lines
         self.batch = None                  # from its start-up line
         self.cgroup_events = None          # its memory cgroup's OOM-kill counter file
@@ -245,12 +274,12 @@ class Worker:
     def describe_exit(self):
         rc = self.proc.returncode
         if rc >= 0:
-            return f"worker {self.index} exited with status {rc}"
+            return f"{self.role} {self.index} exited with status {rc}"
         try:
             name = signal.Signals(-rc).name
         except ValueError:
             name = f"signal {-rc}"
-        text = f"worker {self.index} was killed by signal {name}"
+        text = f"{self.role} {self.index} was killed by signal {name}"
         if self.oom_killed():
             where = (f" after step {self.last_step}" if self.last_step is not None
                      else " before its first progress line")
@@ -263,13 +292,16 @@ class Worker:
 
 
 def start_group(opts, cmd, attempt):
-    ports = pick_ports(opts.host, opts.workers, opts.port_base)
+    roles = ps_roles(opts.workers, opts.ps) if opts.ps else None
+    ports = pick_ports(opts.host, len(roles) if roles else opts.workers, opts.port_base)
     workers = []
     try:
-        for i in range(opts.workers):
-            env = dict(os.environ, TF_CONFIG=tf_config(opts.host, ports, i),
-                       TFDIST_LAUNCH_ATTEMPT=str(attempt))
-            workers.append(Worker(i, cmd, env))
+        for i in range(len(ports)):
+            config = (ps_tf_config(opts.host, ports, roles, i) if roles
+                      else tf_config(opts.host, ports, i))
+            env = dict(os.environ, TF_CONFIG=config, TFDIST_LAUNCH_ATTEMPT=str(attempt))
+            workers.append(Worker(roles[i][1], cmd, env, roles[i][0]) if roles
+                           else Worker(i, cmd, env))
     except OSError as e:
         stop_group(workers, signal.SIGTERM, opts.grace_s)
         raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
@@ -285,7 +317,7 @@ def stop_group(workers, signum, grace_s):
         time.sleep(POLL_S)
     for w in workers:
         if w.group_alive():
-            log(f"worker {w.index} still running {grace_s:g}s after "
+            log(f"{w.role} {w.index} still running {grace_s:g}s after "
                 f"{signal.Signals(signum).name}; sending SIGKILL")
             w.signal_group(signal.SIGKILL)
     for w in workers:
@@ -338,12 +370,53 @@ def supervise(workers, interrupts, grace_s):
         time.sleep(POLL_S)
 
 
+def supervise_ps(group, interrupts, grace_s):
+    """`supervise` for a chief/worker/ps group: the chief's exit decides (see
+    the module doc); the outcome is the same as `supervise`'s."""
+    chief, reported, ps_died = group[0], set(), None
+    while True:
+        if interrupts:   # the chief first: it saves while the parameter servers still answer
+            signum = interrupts[0]
+            log(f"got {signal.Signals(signum).name}; stopping the chief, then the servers")
+            stop_group(group[:1], signum, grace_s)
+            stop_group(group[1:], signal.SIGTERM, grace_s)
+            return signum
+        for w in group:
+            w.note_cgroup()
+        if chief.proc.poll() is not None:   # nothing left to serve
+            stop_group(group, signal.SIGTERM, grace_s)
+            if chief.proc.returncode == 0:
+                return None
+            log(chief.describe_exit())
+            return chief
+        for w in group[1:]:
+            if w.proc.poll() is not None and w not in reported:
+                reported.add(w)
+                if w.role == "worker":
+                    log(f"{w.describe_exit()}; the chief runs its steps on the other workers")
+                else:
+                    log(f"{w.describe_exit()}; the chief's next step fails")
+                    ps_died = ps_died or (w, time.monotonic())
+        workers = [w for w in group if w.role == "worker"]
+        if all(w.proc.poll() is not None for w in workers):
+            log("every worker has exited; stopping the chief and the parameter servers")
+            stop_group(group, signal.SIGTERM, grace_s)
+            return workers[0]
+        if ps_died and time.monotonic() - ps_died[1] > grace_s:
+            log(f"the chief did not stop within --grace_s={grace_s:g}s of the parameter "
+                "server's death; stopping all processes")
+            stop_group(group, signal.SIGTERM, grace_s)
+            return ps_died[0]
+        time.sleep(POLL_S)
+
+
 def run(opts, cmd, interrupts):
     """Start the group, restarting it after failures; return the launcher's exit status."""
     for attempt in range(opts.max_restarts + 1):
         if attempt:
             log(f"restarting all workers (restart {attempt} of {opts.max_restarts})")
-        outcome = supervise(start_group(opts, cmd, attempt), interrupts, opts.grace_s)
+        watch = supervise_ps if opts.ps else supervise
+        outcome = watch(start_group(opts, cmd, attempt), interrupts, opts.grace_s)
         if outcome is None:
             return 0
         if isinstance(outcome, int):

@@ -214,6 +214,9 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
         config = config.replace(train=config.train.replace(export_dir=export_dir))
     strategy = strategies.create(config.strategy)
     strategy.setup()
+    if strategy.serve():   # e.g. a parameter server: it served the job, which is over
+        return RunResult(summary={}, model=None, optimizer=None, is_chief=False,
+                         strategy=strategy)
     logs.configure(strategy, log_all_ranks=config.train.log_all_ranks)
     try:
         return _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss, metrics)

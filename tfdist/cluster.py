@@ -18,6 +18,8 @@ from tfdist.errors import UsageError
 # MultiWorkerMirroredStrategy runs chief and worker tasks; parameter servers
 # and evaluators belong to other strategies.
 TASK_TYPES = ("chief", "worker")
+# ParameterServerStrategy: one chief (the coordinator), workers, parameter servers.
+PS_TASK_TYPES = ("chief", "worker", "ps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,8 @@ def _is_local(host: str) -> bool:
     return False
 
 
-def parse_tf_config(text: str, *, check_local: bool = True) -> ClusterSpec:
+def parse_tf_config(text: str, *, check_local: bool = True,
+                    task_types: tuple = TASK_TYPES) -> ClusterSpec:
     """Validate a TF_CONFIG string. Raises `UsageError` naming the problem."""
     try:
         parsed = json.loads(text)
@@ -104,8 +107,8 @@ def parse_tf_config(text: str, *, check_local: bool = True) -> ClusterSpec:
     if not isinstance(task, dict):
         _fail("missing 'task'")
     for task_type, addresses in cluster.items():
-        if task_type not in TASK_TYPES:
-            _fail(f"cluster has task type {task_type!r}; valid: {', '.join(TASK_TYPES)}")
+        if task_type not in task_types:
+            _fail(f"cluster has task type {task_type!r}; valid: {', '.join(task_types)}")
         if not isinstance(addresses, list) or not addresses:
             _fail(f"cluster.{task_type} must be a non-empty list of host:port")
         for index, address in enumerate(addresses):
@@ -215,3 +218,78 @@ def local_devices(virtual_cpus: Optional[int]) -> list[str]:
         return [d.name for d in gpus]
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
     return cpus[:virtual_cpus] if virtual_cpus else cpus
+
+
+# -- parameter servers ----------------------------------------------------------
+def parse_ps_tf_config(text: str, *, check_local: bool = True) -> ClusterSpec:
+    """A TF_CONFIG for ParameterServerStrategy: exactly one chief (the
+    coordinator), at least one worker and one ps. Raises `UsageError`."""
+    spec = parse_tf_config(text, check_local=False, task_types=PS_TASK_TYPES)
+    counts = {t: len(spec.cluster.get(t, ())) for t in PS_TASK_TYPES}
+    if counts["chief"] != 1:
+        _fail("--strategy=parameter_server needs exactly one chief task (the coordinator), "
+              f"the cluster has {counts['chief']}")
+    for task_type, what in (("worker", "a worker"), ("ps", "a parameter server")):
+        if not counts[task_type]:
+            _fail(f"--strategy=parameter_server needs at least {what} ({task_type!r} "
+                  "task), the cluster has none")
+    if check_local:
+        return parse_tf_config(text, check_local=True, task_types=PS_TASK_TYPES)
+    return spec
+
+
+def ps_tf_config_from_hosts(worker_hosts, ps_hosts, task_type: str,
+                            task_index: Optional[int]) -> str:
+    """TF_CONFIG for `--worker_hosts=chief,w1,... --ps_hosts=p0,... --task_type=T
+    --task_index=i` (TensorFlow 1's convention: worker 0 is the chief)."""
+    if not worker_hosts or not ps_hosts:
+        raise UsageError("--strategy=parameter_server without TF_CONFIG needs --worker_hosts "
+                         "(the chief first, then at least one worker) and --ps_hosts")
+    if task_index is None:
+        raise UsageError(f"--ps_hosts needs --task_index (this host's position in "
+                         f"--{'ps' if task_type == 'ps' else 'worker'}_hosts)")
+    for flag, hosts in (("--worker_hosts", worker_hosts), ("--ps_hosts", ps_hosts)):
+        for index, address in enumerate(hosts):
+            problem = _address_problem(address)
+            if problem:
+                raise UsageError(f"{flag}: entry {index} {address!r} {problem}, "
+                                 f"e.g. {flag}=host1:2222,host2:2222")
+    if len(worker_hosts) < 2:
+        raise UsageError(f"--worker_hosts={','.join(worker_hosts)}: parameter_server needs the "
+                         "chief and at least one worker (entry 0 is the chief)")
+    if task_type == "chief" and task_index != 0:
+        raise UsageError(f"--task_type=chief --task_index={task_index}: there is one chief, "
+                         "index 0 (it is --worker_hosts entry 0)")
+    hosts = ps_hosts if task_type == "ps" else worker_hosts
+    if not 0 <= task_index < len(hosts):
+        flag = "--ps_hosts" if task_type == "ps" else "--worker_hosts"
+        raise UsageError(f"--task_index={task_index} is out of range for {len(hosts)} "
+                         f"{flag} (valid: 0-{len(hosts) - 1})")
+    cluster = {"chief": [worker_hosts[0]], "worker": list(worker_hosts[1:]),
+               "ps": list(ps_hosts)}
+    if task_type == "ps":
+        task = {"type": "ps", "index": task_index}
+    elif task_index == 0:
+        task = {"type": "chief", "index": 0}
+    else:
+        task = {"type": "worker", "index": task_index - 1}
+    return json.dumps({"cluster": cluster, "task": task})
+
+
+def resolve_ps(worker_hosts=(), ps_hosts=(), task_type: str = "worker",
+               task_index: Optional[int] = None, environ=os.environ) -> ClusterSpec:
+    """This process's parameter-server cluster: from the host lists (written
+    to TF_CONFIG), or TF_CONFIG. Raises `UsageError` when neither is usable."""
+    if worker_hosts or ps_hosts:
+        environ["TF_CONFIG"] = ps_tf_config_from_hosts(worker_hosts, ps_hosts, task_type,
+                                                       task_index)
+    elif task_index is not None:
+        raise UsageError(f"--task_index={task_index} needs --worker_hosts and --ps_hosts")
+    text = environ.get("TF_CONFIG")
+    if not text:
+        raise UsageError(
+            "--strategy=parameter_server needs a cluster: set TF_CONFIG (chief, worker and ps "
+            "tasks), pass --worker_hosts=chief:port,worker:port --ps_hosts=ps:port with "
+            "--task_type and --task_index, or start one locally with "
+            "`tfdist-launch --workers=N --ps=P -- tfdist-train --strategy=parameter_server ...`")
+    return parse_ps_tf_config(text)

@@ -12,6 +12,7 @@ _REGISTRY = Registry("--strategy", "strategy", {
     "multi_worker": "tfdist.strategies.multi_worker:MultiWorkerStrategy",
     "horovod": "tfdist.strategies.horovod:HorovodStrategy",
     "dtensor": "tfdist.strategies.dtensor:DTensorStrategy",
+    "parameter_server": "tfdist.strategies.parameter_server:ParameterServerStrategy",
 })
 names = _REGISTRY.names
 check_name = _REGISTRY.check

@@ -1,0 +1,451 @@
+"""`parameter_server`: asynchronous training with ParameterServerStrategy.
+
+    tfdist-launch --workers=2 --ps=1 -- tfdist-train --strategy=parameter_server ...
+
+A cluster of one chief, N workers and P parameter servers (TF_CONFIG with
+`chief`, `worker` and `ps` tasks, `--worker_hosts/--ps_hosts/--task_type/
+--task_index`, or `tfdist-launch --ps=P`). Every process runs the same
+`tfdist-train` command; what it does depends on its task:
+
+- ps and worker tasks run a `tf.distribute.Server` and serve (`serve()`)
+  until the chief is gone: they watch the chief's port and exit 0 once it
+  stops answering, so no deployment has to stop them by hand.
+- the chief (the coordinator) builds the model in this engine's scope, which
+  puts every variable on the parameter servers (split into shards of at
+  least `--ps_shard_bytes` by `MinSizePartitioner`), and runs the trainer.
+  Each training step is the trainer's own replica step, scheduled with
+  `ClusterCoordinator.schedule` as one closure on whichever worker is free:
+  it reads the weights from the parameter servers, computes the gradient of
+  the *global* batch on that worker's own input pipeline and applies it there
+  (no all-reduce: `all_reduce_sum` is the identity). Workers do not wait for
+  each other; a dead worker's closures run on the others. Checkpoints,
+  summaries and evaluation (one closure over the whole test split, after the
+  loop's updates have landed) are the chief's.
+
+Keras 3 on this path needs three workarounds (BUILD_NOTES.md): gradients of
+a partitioned variable are taken for its shards (a Keras variable wrapping a
+`ShardedVariable` has no `.handle`), the optimizer updates partitioned
+variables directly (`extended.update` refuses a `ShardedVariable`), and its
+slots of a partitioned variable are partitioned too (Keras would put them on
+the chief, colocated with nothing).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging as std_logging
+import re
+import socket
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfdist import cluster
+from tfdist.errors import UsageError, WorkerFault
+from tfdist.observe import watchdog
+from tfdist.strategies.base import Strategy
+from tfdist.strategies.multi_worker import _reason
+
+_SHARDED = tf.__internal__.distribute.ShardedVariable
+CHIEF_POLL_S = 1.0       # how often a server checks that the chief is still there
+CHIEF_GONE_PROBES = 3    # failed probes in a row that mean the chief has ended
+
+
+def _address(spec, task_type: str, index: int) -> str:
+    return spec.cluster[task_type][index]
+
+
+def _task_name(spec, task_type: str, index: int) -> str:
+    return f"{task_type} {index} ({_address(spec, task_type, index)})"
+
+
+def _tasks(spec, *task_types):
+    """(name, host, port) of every task of `task_types`, for probes."""
+    found = []
+    for task_type in task_types:
+        for index, address in enumerate(spec.cluster.get(task_type, ())):
+            host, _, port = address.rpartition(":")
+            found.append((_task_name(spec, task_type, index), host, int(port)))
+    return found
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=watchdog.PROBE_TIMEOUT_S).close()
+        return True
+    except OSError:
+        return False
+
+
+def _gist(error) -> str:
+    """The first line of what went wrong, without gRPC's nested detail."""
+    text = _reason(str(getattr(error, "message", error)))
+    text = re.sub(r"\d+ root error\(s\) found\.\s*|\(\d+\) \w+:\s*", "", text)
+    pieces = [p.strip(" :") for p in re.split(r"\\n|\n|Additional GRPC error", text)]
+    return next((p for p in pieces if p), text)[:200]
+
+
+class _OneLineClosureErrors(std_logging.Filter):
+    """The coordinator logs each failed closure with its whole multi-line gRPC
+    error (a dead worker or ps gives dozens); one line each is enough."""
+
+    def filter(self, record):
+        if "encountered the following error when processing closure" in str(record.msg):
+            worker, error = record.args[0], record.args[1]
+            record.msg, record.args = "worker %d: a step failed: %s: %s", (
+                worker, type(error).__name__, _gist(error))
+        elif record.pathname.endswith("cluster_coordinator.py"):
+            text = record.getMessage()
+            if "\n" in text:
+                record.msg, record.args = "%s (%s)", (text.splitlines()[0][:200], _gist(text))
+        return True
+
+
+_CLOSURE_ERRORS = _OneLineClosureErrors()
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Connecting to the cluster logs the whole session ConfigProto at INFO
+    (tensorflow/python/eager/remote.py, through absl): not for the user's eyes."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def _uncolocate_from_shards(next_creator, **kwargs):
+    """Keras creates an optimizer slot colocated with its variable; colocated
+    with a ShardedVariable, ParameterServerStrategy puts the slot, whole, on
+    the chief. Without the colocation the strategy shards it over the
+    parameter servers like its variable."""
+    if isinstance(kwargs.get("colocate_with"), _SHARDED):
+        kwargs.pop("colocate_with")
+    return next_creator(**kwargs)
+
+
+def _value(variable):
+    """The tf.Variable (or ShardedVariable) behind a Keras 3 variable."""
+    return getattr(variable, "value", variable) if hasattr(variable, "path") else variable
+
+
+def _update_shards_directly(optimizer) -> None:
+    """Let a Keras 3 optimizer update ShardedVariables: its TensorFlow update
+    goes through `distribution.extended.update(var, ...)`, which cannot
+    colocate with a ShardedVariable ("doesn't support being used as a
+    reference"). Their update ops run where the step runs and write each
+    shard where it lives; other variables take Keras's own path."""
+    update_step = optimizer._distributed_tf_update_step
+    apply_weight_decay = optimizer._apply_weight_decay
+
+    def distributed_update(distribution, grads_and_vars, learning_rate):
+        plain = []
+        for grad, variable in grads_and_vars:
+            if isinstance(variable, _SHARDED):
+                optimizer.update_step(grad, variable, learning_rate)
+            else:
+                plain.append((grad, variable))
+        update_step(distribution, plain, learning_rate)
+
+    def weight_decay(variables):
+        if optimizer.weight_decay is None:
+            return
+        for variable in variables:
+            if isinstance(_value(variable), _SHARDED) and optimizer._use_weight_decay(variable):
+                lr = tf.cast(optimizer.learning_rate, variable.dtype)
+                decay = tf.cast(optimizer.weight_decay, variable.dtype)
+                _value(variable).assign_sub(tf.convert_to_tensor(variable) * decay * lr)
+        apply_weight_decay([v for v in variables if not isinstance(_value(v), _SHARDED)])
+
+    optimizer._distributed_tf_update_step = distributed_update
+    optimizer._apply_weight_decay = weight_decay
+
+
+def _checkpoint_shards_whole() -> None:
+    """Let Keras 3 variables over a ShardedVariable be checkpointed.
+
+    Keras's TF variable serializes `{"VARIABLE_VALUE": self.value}` when its
+    value has no `_serialize_to_tensors`, and the saver then asks the
+    ShardedVariable for a `.device` it does not have (AttributeError). Such a
+    variable is saved as one whole tensor instead (read from its shards) and
+    restored by assigning it (which splits it again), so a checkpoint written
+    here restores under every other engine and any shard count. Only
+    variables whose value is a ShardedVariable take this path."""
+    from keras.src.backend.tensorflow import core   # the one private import: see above
+    if getattr(core.Variable, "_tfdist_whole_shards", False):
+        return
+    serialize, restore = core.Variable._serialize_to_tensors, core.Variable._restore_from_tensors
+
+    def _serialize_to_tensors(self):
+        if isinstance(self.value, _SHARDED):
+            return {"VARIABLE_VALUE": tf.convert_to_tensor(self.value)}
+        return serialize(self)
+
+    def _restore_from_tensors(self, restored_tensors):
+        if isinstance(self.value, _SHARDED):
+            return self.value.assign(restored_tensors["VARIABLE_VALUE"])
+        return restore(self, restored_tensors)
+
+    core.Variable._serialize_to_tensors = _serialize_to_tensors
+    core.Variable._restore_from_tensors = _restore_from_tensors
+    core.Variable._tfdist_whole_shards = True
+
+
+class ParameterServerStrategy(Strategy):
+    """The chief coordinates; workers and parameter servers serve (see module doc)."""
+
+    name = "parameter_server"
+    process_unit = "chief"
+    supports_xla = False
+    supports_xla_reason = ("--strategy=parameter_server steps read and update variables on "
+                           "other processes (the parameter servers), which XLA cannot compile")
+    _server = None
+    _strategy = None
+
+    def setup(self) -> None:
+        config = self.config
+        # Validated in plain Python first: a bad cluster fails in one line
+        # before any server or connection exists.
+        self._spec = spec = cluster.resolve_ps(config.worker_hosts, config.ps_hosts,
+                                               config.task_type, config.task_index)
+        self._task = (spec.task_type, spec.task_index)
+        if spec.task_type != "chief":
+            try:
+                self._server = tf.distribute.Server(
+                    tf.train.ClusterSpec(spec.cluster), job_name=spec.task_type,
+                    task_index=spec.task_index, protocol="grpc", start=True)
+            except tf.errors.OpError as error:   # e.g. its port is taken
+                raise UsageError(f"{_task_name(spec, *self._task)}: cannot start its server: "
+                                 f"{_gist(error)}") from None
+            return
+        num_ps = len(spec.cluster["ps"])
+        _checkpoint_shards_whole()
+        std_logging.getLogger("tensorflow").addFilter(_CLOSURE_ERRORS)
+        partitioner = (tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=config.ps_shard_bytes, max_shards=num_ps)
+            if config.ps_shard_bytes and num_ps > 1 else None)
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        with _quiet_absl(), watchdog.deadline(
+                config.collective_timeout_s,
+                f"chief: the cluster did not form within --collective_timeout_s="
+                f"{config.collective_timeout_s:g}s", _tasks(spec, "worker", "ps")):
+            self._strategy = tf.distribute.ParameterServerStrategy(
+                resolver, variable_partitioner=partitioner)
+            self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self._strategy)
+        self._optimizer = None
+        self._steps_by_worker = collections.Counter()
+        self._staleness_sum, self._updates, self._staleness_max = 0, 0, 0
+        self._loop = {}
+
+    # -- servers -----------------------------------------------------------
+    def serve(self) -> bool:
+        """A worker or ps: serve until the chief has come and gone. A chief
+        that never answers within --collective_timeout_s ends this one too."""
+        if self._server is None:
+            return False
+        spec = self._spec
+        me = _task_name(spec, *self._task)
+        chief = _task_name(spec, "chief", 0)
+        host, _, port = _address(spec, "chief", 0).rpartition(":")
+        logging.info("%s: serving until the chief %s ends", me, chief)
+        deadline = time.monotonic() + self.config.collective_timeout_s
+        while not _answers(host, int(port)):
+            if time.monotonic() > deadline:
+                raise WorkerFault(f"{me}: the chief {chief} did not start within "
+                                   f"--collective_timeout_s={self.config.collective_timeout_s:g}s")
+            time.sleep(CHIEF_POLL_S)
+        missed = 0
+        while missed < CHIEF_GONE_PROBES:
+            time.sleep(CHIEF_POLL_S)
+            missed = 0 if _answers(host, int(port)) else missed + 1
+        logging.info("%s: the chief %s has ended; stopping", me, chief)
+        return True
+
+    # -- topology ----------------------------------------------------------
+    @property
+    def tf_strategy(self):
+        return self._strategy
+
+    def scope(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._strategy.scope())
+        stack.enter_context(tf.variable_creator_scope(_uncolocate_from_shards))
+        return stack
+
+    @property
+    def num_replicas(self) -> int:
+        return 1   # each step is one worker's update on the whole global batch
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._spec.cluster["worker"])
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return 1   # every worker reads the whole split, in its own order
+
+    @property
+    def is_chief(self) -> bool:
+        return self._task[0] == "chief"
+
+    def describe_process(self) -> str:
+        return _task_name(self._spec, *self._task)
+
+    def describe(self) -> str:
+        ps = self._spec.cluster["ps"]
+        shards = (f"variables split in shards of >= {self.config.ps_shard_bytes} bytes"
+                  if self.config.ps_shard_bytes and len(ps) > 1 else "variables not split")
+        return (f"parameter_server: chief + {self.num_workers} worker(s) + {len(ps)} parameter "
+                f"server(s), asynchronous (each step: one worker's update on the global "
+                f"batch); {shards}")
+
+    def check_config(self, config) -> None:
+        del config   # every trainer feature runs inside one worker's step
+
+    # -- steps ---------------------------------------------------------------
+    def distribute_dataset(self, dataset_fn):
+        """One input pipeline per worker, each reading the whole split; its
+        pipeline id (which seeds its shuffle) is the worker's index, known
+        only on the worker, so the workers read in different orders."""
+
+        def per_worker_dataset():
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            context = tf.distribute.InputContext(
+                num_input_pipelines=1, input_pipeline_id=tf.cast(worker, tf.int64),
+                num_replicas_in_sync=1)
+            return dataset_fn(context)
+
+        return self._coordinator.create_per_worker_dataset(per_worker_dataset)
+
+    def run(self, replica_fn, *args):
+        per_replica = self._strategy.run(replica_fn, args=args)
+        return tf.nest.map_structure(
+            lambda v: self._strategy.experimental_local_results(v)[0], per_replica)
+
+    def _all_reduce_sum(self, tensors):
+        return list(tensors)   # one replica per step: nothing to add up
+
+    def replica_id(self):
+        return tf.constant(0)
+
+    def any_worker(self, flag: bool) -> bool:
+        return bool(flag)   # only the chief runs the trainer
+
+    def gradients(self, tape, target, variables) -> list:
+        """Gradients for each shard of a partitioned variable, concatenated."""
+        sources = [list(_value(v).variables) if isinstance(_value(v), _SHARDED) else [v]
+                   for v in variables]
+        grads = tape.gradient(target, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [parts[0] if len(parts) == 1 else
+                tf.concat([tf.convert_to_tensor(p) for p in parts], axis=0) for parts in grads]
+
+    def prepare_optimizer(self, optimizer, variables) -> None:
+        self._optimizer = optimizer
+        inner = getattr(optimizer, "inner_optimizer", None)
+        for each in (optimizer, inner):
+            if each is not None and hasattr(each, "_distributed_tf_update_step"):
+                _update_shards_directly(each)
+
+    def function(self, fn):
+        """`fn` as one closure on a free worker; its result once it is done."""
+        compiled = tf.function(fn)
+
+        def call(*args):
+            remote = self._coordinator.schedule(compiled, args=args)
+            self._coordinator.join()
+            return tf.nest.map_structure(tf.constant, remote.fetch())
+
+        return call
+
+    def loop_function(self, fn, combine):
+        """Each of the loop's steps as its own closure, all scheduled at once
+        (the coordinator hands them to workers as they become free), then one
+        wait for all. Each closure also reports its worker and the optimizer's
+        update counter (on a parameter server) before and after its step:
+        their difference less one is the step's staleness, the updates of
+        other workers that landed between its read of the weights and its own."""
+        counter = lambda: tf.convert_to_tensor(self._optimizer.iterations)  # noqa: E731
+
+        def closure(iterator, num_steps, *options):
+            before = counter()
+            with tf.control_dependencies([before]):   # read before the step's weights
+                result = fn(iterator, num_steps, *options)
+            with tf.control_dependencies(tf.nest.flatten(result)):
+                after = counter()
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            return result, before, after, worker
+
+        compiled = tf.function(closure)
+
+        def call(iterator, num_steps, *options):
+            one = tf.constant(1, dtype=num_steps.dtype)
+            remotes = [self._coordinator.schedule(compiled, args=(iterator, one, *options))
+                       for _ in range(int(num_steps))]
+            self._coordinator.join()
+            fetched = [remote.fetch() for remote in remotes]
+            self._account([(int(after) - int(before) - 1, int(worker))
+                           for _, before, after, worker in fetched])
+            return combine([(1, result) for result, _, _, _ in fetched])
+
+        return call
+
+    def _account(self, steps) -> None:
+        """Staleness and steps per worker of one loop's steps."""
+        staleness = [max(0, s) for s, _ in steps]
+        for _, worker in steps:
+            self._steps_by_worker[worker] += 1
+        self._staleness_sum += sum(staleness)
+        self._updates += len(staleness)
+        self._staleness_max = max([self._staleness_max, *staleness])
+        self._loop = {"staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+                      "staleness_max": float(max(staleness, default=0))}
+
+    def _per_worker(self) -> dict:
+        return {f"steps_worker_{i}": self._steps_by_worker[i] for i in range(self.num_workers)}
+
+    def loop_metrics(self) -> dict:
+        return {**self._loop, **self._per_worker()}
+
+    def summary_fields(self, model, optimizer) -> dict:
+        return {"parameter_servers": len(self._spec.cluster["ps"]),
+                "ps_shard_bytes": self.config.ps_shard_bytes,
+                "steps_per_worker": self._per_worker(),
+                "staleness_mean": self._staleness_sum / self._updates if self._updates else None,
+                "staleness_max": self._staleness_max if self._updates else None,
+                "variable_devices": variable_devices(model)}
+
+    # -- faults --------------------------------------------------------------
+    def describe_fault(self, error: Exception) -> str:
+        """Name the parameter server (or worker) a failed step points at; else
+        list the tasks that do not answer a TCP connect."""
+        spec, text = self._spec, str(getattr(error, "message", error))
+        detail = f"{type(error).__name__}: {_gist(error)}"
+        # A parameter server first: a worker's error names the ps it could not reach.
+        named = sorted(set(re.findall(r"/job:(ps|worker)/replica:\d+/task:(\d+)", text)))
+        for task_type, index in named:
+            index = int(index)
+            if index < len(spec.cluster[task_type]):
+                what = "parameter server" if task_type == "ps" else "worker"
+                name = _task_name(spec, task_type, index)
+                host, _, port = _address(spec, task_type, index).rpartition(":")
+                probe = watchdog.unreachable([(name, host, int(port))])
+                state = probe[0].split(": ", 1)[1] if probe else "it accepts connections"
+                return f"chief: {what} {name} failed or is unreachable ({state}): {detail}"
+        silent = watchdog.unreachable(_tasks(spec, "ps", "worker"))
+        tail = f"; unreachable: {'; '.join(silent)}" if silent else ""
+        return f"chief: a step failed: {type(error).__name__}: {detail}{tail}"
+
+
+def variable_devices(model) -> dict:
+    """{variable path: [device of each shard]}: where the model's weights live."""
+    found = {}
+    for variable in model.variables:
+        value = _value(variable)
+        shards = value.variables if isinstance(value, _SHARDED) else [value]
+        found[variable.path] = [shard.device for shard in shards]
+    return found
