@@ -138,8 +138,9 @@ def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     probe = subprocess.run([TRAIN, *args, "--train_steps=10", f"--model_dir={probe_dir}"],
                            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-2000:]
+    # A checkpoint: the model's files and the input position saved beside them.
     size = sum(os.path.getsize(p) for p in
-               (probe_dir / "checkpoints").glob("ckpt-10.*"))
+               (probe_dir / "checkpoints").rglob("ckpt-10.*"))
     model_dir = tmp_path / "small"
     _mount_tmpfs(model_dir, int(2.6 * size) + 64 * 1024)   # two checkpoints and the logs
     try:
