@@ -194,3 +194,25 @@ def test_nocheckpoint_input_saves_no_position(tmp_path, caplog):
                                     checkpoint_input=False))
     assert resumed.summary["steps"] == 6
     assert "--nocheckpoint_input; reading a fresh permutation" in caplog.text
+
+
+def test_a_run_that_drew_a_fresh_permutation_resumes_exactly_afterwards(tmp_path, caplog):
+    """Resumed once without a saved position (a fresh permutation from step
+    4), a run saves the positions of that permutation: stopped again at 8 and
+    resumed, it equals the run that went from 4 to 12 in one go."""
+    import shutil
+    common = dict(steps_per_loop=2, checkpoint_every=4, batch=64)
+    runs = {}
+    for name, stops in (("once", [12]), ("twice", [8, 12])):
+        model_dir = str(tmp_path / name)
+        _train(run_config("default", steps=4, model_dir=model_dir, **common))
+        shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(model_dir), "input"))
+        for steps in stops:
+            caplog.clear()
+            with caplog.at_level("WARNING"):
+                runs[name] = _train(run_config("default", steps=steps, model_dir=model_dir,
+                                               **common))
+        # Only the resume at step 4 had no position.
+        assert ("fresh permutation" in caplog.text) == (name == "once")
+    assert_weights_close(runs["twice"].model.variables, runs["once"].model.variables,
+                         rtol=0, atol=1e-6)

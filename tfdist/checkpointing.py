@@ -164,15 +164,17 @@ class InputPosition:
 
     Every process keeps its own, in `checkpoints/input/<signature>-pipeline-<i>-of-<n>/`:
     pipelines hold different shards, so the chief cannot save the others'. The
-    signature (a hash of batch size, seed, shuffle buffer, sharding and the
-    dataset) keeps a run with other input settings from restoring a position
-    that means something else; it then draws a fresh permutation instead. The
+    signature (a hash of batch size, shuffle buffer, sharding and the dataset)
+    keeps a run with other input settings from restoring a position that
+    means something else; it then draws a fresh permutation instead. Beside
+    each position, `ckpt-S.seed` holds the seed its pipeline was built with
+    (a run that once drew a fresh permutation goes on with that one). The
     state holds the shuffle buffer's examples (see BUILD_NOTES.md for why not
     symbolic checkpointing); `--nocheckpoint_input` turns this off.
     """
 
-    def __init__(self, directory: str, iterator, *, signature: dict, pipeline: int,
-                 pipelines: int, keep: int):
+    def __init__(self, directory: str, *, signature: dict, pipeline: int, pipelines: int,
+                 keep: int):
         import hashlib
         import json
         digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
@@ -180,14 +182,24 @@ class InputPosition:
         self.directory = os.path.join(directory, "input",
                                       f"{digest}-pipeline-{pipeline}-of-{pipelines}")
         self.keep = keep
-        self.checkpoint = tf.train.Checkpoint(iterator=iterator)
-        self.enabled = True
+        self.checkpoint, self.seed, self.enabled = None, None, True
+
+    def track(self, iterator, seed: int) -> None:
+        """Save and restore `iterator`, whose pipeline was built with `seed`."""
+        self.checkpoint, self.seed = tf.train.Checkpoint(iterator=iterator), seed
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, f"{_PREFIX}-{step}")
 
-    def exists(self, step: int) -> bool:
-        return os.path.exists(self._path(step) + ".index")
+    def saved_seed(self, step: int) -> Optional[int]:
+        """The seed of the pipeline whose position was saved at `step` (None: none saved)."""
+        path = self._path(step)
+        try:
+            with open(path + ".seed") as f:
+                seed = int(f.read())
+        except (OSError, ValueError):
+            return None
+        return seed if os.path.exists(path + ".index") else None
 
     def save(self, step: int) -> None:
         """Write the position at `step`; a failure only costs exactness on resume."""
@@ -197,6 +209,8 @@ class InputPosition:
         try:
             os.makedirs(self.directory, exist_ok=True)
             _verify(self.checkpoint.write(path))
+            with open(path + ".seed", "w") as f:   # last: it marks the position complete
+                f.write(str(self.seed))
         except Exception as error:  # noqa: BLE001  (any pipeline op may refuse to be saved)
             _remove(path)
             self.enabled = False
@@ -211,7 +225,7 @@ class InputPosition:
 
     def restore(self, step: int) -> bool:
         """Move the iterator to the position saved at `step`; False if there is none."""
-        if not self.exists(step):
+        if self.saved_seed(step) is None:
             return False
         try:
             self.checkpoint.read(self._path(step)).assert_consumed()

@@ -369,24 +369,27 @@ class Trainer:
         return totals
 
     # -- outer loop ----------------------------------------------------------
-    def _train_iterator(self, seed: int):
+    def _shuffle_buffer(self) -> int:
         # More than the split holds buys nothing (and 2**63 would not allocate).
-        buffer = min(self.config.data.shuffle_buffer,
-                     self.inputs.spec.train_examples or self.config.data.shuffle_buffer)
-        iterator, state = self.strategy.input_iterator(inputs_lib.train_dataset_fn(
+        return min(self.config.data.shuffle_buffer,
+                   self.inputs.spec.train_examples or self.config.data.shuffle_buffer)
+
+    def _train_iterator(self, seed: int):
+        """The training iterator of a pipeline shuffled by `seed`, and its
+        checkpointable state (None where the engine has none)."""
+        return self.strategy.input_iterator(inputs_lib.train_dataset_fn(
             self.inputs, global_batch_size=self.global_batch_size, seed=seed,
-            shuffle_buffer=buffer))
-        position = None
-        if state is not None and self.checkpointer is not None and \
-                self.train_config.checkpoint_input:
-            strategy = self.strategy
-            position = InputPosition(
-                self.checkpointer.directory, state, keep=self.checkpointer.keep,
-                pipeline=strategy.worker_index, pipelines=strategy.num_input_pipelines,
-                signature={"batch": self.global_batch_size, "seed": seed, "buffer": buffer,
-                           "replicas": strategy.num_replicas, "spec": repr(self.inputs.spec),
-                           "element": repr(state.element_spec)})
-        return iterator, position
+            shuffle_buffer=self._shuffle_buffer()))
+
+    def _input_position(self) -> Optional[InputPosition]:
+        if self.checkpointer is None or not self.train_config.checkpoint_input:
+            return None
+        strategy = self.strategy
+        return InputPosition(
+            self.checkpointer.directory, keep=self.checkpointer.keep,
+            pipeline=strategy.worker_index, pipelines=strategy.num_input_pipelines,
+            signature={"batch": self.global_batch_size, "buffer": self._shuffle_buffer(),
+                       "replicas": strategy.num_replicas, "spec": repr(self.inputs.spec)})
 
     def _make_data(self, start_step: int):
         """The training iterator at `start_step`, and the evaluation data.
@@ -398,14 +401,24 @@ class Trainer:
         it draws a fresh, seeded permutation instead, so it does not replay
         the batches the first steps already saw."""
         tc, strategy = self.train_config, self.strategy
-        iterator, position = self._train_iterator(tc.seed)
+        position = self._input_position()
+        saved_seed = position.saved_seed(start_step) if position and start_step else None
+        seed = tc.seed if saved_seed is None else saved_seed
+        iterator, state = self._train_iterator(seed)
+        if state is None:
+            position = None
+        elif position:
+            position.track(state, seed)
         if start_step and not (position and position.restore(start_step)):
-            why = (f"no input position was saved at step {start_step}" if position
-                   else "--nocheckpoint_input" if not tc.checkpoint_input
-                   else f"--strategy={strategy.name} cannot checkpoint its input iterator")
+            why = ("--nocheckpoint_input" if not tc.checkpoint_input
+                   else f"--strategy={strategy.name} cannot checkpoint its input iterator"
+                   if state is None else f"no input position was saved at step {start_step}")
             logging.warning("%s: %s; reading a fresh permutation of the data",
                             strategy.describe_process(), why)
-            iterator, position = self._train_iterator(tc.seed + 7919 * start_step)
+            seed = tc.seed + 7919 * start_step
+            iterator, state = self._train_iterator(seed)
+            if position:
+                position.track(state, seed)
         if self.checkpointer is not None:
             self.checkpointer.input_position = position
         self._eval_data = None
