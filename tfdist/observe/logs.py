@@ -9,6 +9,7 @@ Warnings and errors show from every process either way.
 
 from __future__ import annotations
 
+import contextlib
 import logging as std_logging
 
 from absl import logging
@@ -44,3 +45,16 @@ def configure(strategy, *, log_all_ranks: bool) -> None:
             handler.addFilter(_FILTER)
     if not strategy.is_chief and not log_all_ranks:
         logging.set_verbosity(logging.WARNING)
+
+
+@contextlib.contextmanager
+def quiet_absl():
+    """absl INFO off for a block: engines that log their whole set-up there
+    (DTensor's server definition and mesh, ParameterServerStrategy's session
+    ConfigProto: dozens of lines per process) are described in one line instead."""
+    previous = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)

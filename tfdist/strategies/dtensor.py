@@ -25,26 +25,13 @@ import signal
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 from tensorflow.experimental import dtensor
 
 from tfdist import cluster, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
-from tfdist.observe import watchdog
+from tfdist.observe import logs, watchdog
 from tfdist.strategies import dtensor_updates, multi_worker
-
-
-@contextlib.contextmanager
-def _quiet():
-    """DTensor logs its whole server definition and mesh set-up at absl INFO
-    (dozens of lines per process); tfdist describes the mesh in one line."""
-    previous = logging.get_verbosity()
-    logging.set_verbosity(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.set_verbosity(previous)
 
 
 def _keras_path(initial_value, name: str) -> str:
@@ -147,7 +134,7 @@ class DTensorStrategy(Strategy):
         if len(devices) < size or (not wanted and len(devices) != size):
             raise UsageError(f"--mesh={self.config.mesh} needs {size} devices; this host has "
                              f"{len(devices)} ({', '.join(d.rsplit('/', 1)[-1] for d in devices)})")
-        with _quiet():
+        with logs.quiet_absl():
             self.mesh = dtensor.create_mesh(
                 list(sharding.parse_mesh(self.config.mesh)), devices=devices[:size])
 
@@ -176,10 +163,10 @@ class DTensorStrategy(Strategy):
         with watchdog.deadline(config.collective_timeout_s,
                                f"{me}: the DTensor cluster did not form within "
                                f"--collective_timeout_s={config.collective_timeout_s:g}s",
-                               multi_worker.peers(spec)), _quiet():
+                               multi_worker.peers(spec)), logs.quiet_absl():
             dtensor.initialize_accelerator_system(
                 device_type, num_logical_cpu_devices=None if gpus else local)
-        with _quiet():
+        with logs.quiet_absl():
             self.mesh = dtensor.create_distributed_mesh(
                 list(sharding.parse_mesh(config.mesh)), device_type=device_type)
         # TensorFlow's preemption notifier may swallow SIGTERM: keep it stoppable.
@@ -384,7 +371,7 @@ class DTensorStrategy(Strategy):
 
         for name, layout in zip(task.metric_names, task.metric_layouts):
             try:
-                with _quiet():
+                with logs.quiet_absl():
                     self.function(update(layout))(*zeros)
             except (tf.errors.OpError, ValueError, TypeError) as error:
                 text = str(getattr(error, "message", error)).strip().splitlines()

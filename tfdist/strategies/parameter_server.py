@@ -45,7 +45,7 @@ from absl import logging
 
 from tfdist import cluster
 from tfdist.errors import UsageError, WorkerFault
-from tfdist.observe import watchdog
+from tfdist.observe import logs, watchdog
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.multi_worker import _reason
 
@@ -105,18 +105,6 @@ class _OneLineClosureErrors(std_logging.Filter):
 
 
 _CLOSURE_ERRORS = _OneLineClosureErrors()
-
-
-@contextlib.contextmanager
-def _quiet_absl():
-    """Connecting to the cluster logs the whole session ConfigProto at INFO
-    (tensorflow/python/eager/remote.py, through absl): not for the user's eyes."""
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
 
 
 def _uncolocate_from_shards(next_creator, **kwargs):
@@ -230,7 +218,7 @@ class ParameterServerStrategy(Strategy):
             min_shard_bytes=config.ps_shard_bytes, max_shards=num_ps)
             if config.ps_shard_bytes and num_ps > 1 else None)
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        with _quiet_absl(), watchdog.deadline(
+        with logs.quiet_absl(), watchdog.deadline(
                 config.collective_timeout_s,
                 f"chief: the cluster did not form within --collective_timeout_s="
                 f"{config.collective_timeout_s:g}s", _tasks(spec, "worker", "ps")):
