@@ -48,26 +48,41 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser():
+    """Options grouped by concern, each help saying its default and valid values
+    (the style of tfdist-train --help)."""
     p = _Parser(prog=PROG, allow_abbrev=False,
                 usage=f"{PROG} --workers=N [options] -- CMD [ARGS...]",
-                description="Start N local workers of CMD as a TF_CONFIG cluster; "
-                            "stop them all when one fails, optionally restart the group.")
-    p.add_argument("--workers", type=int, required=True, metavar="N",
-                   help="number of worker processes (>= 1)")
-    p.add_argument("--ps", type=int, default=0, metavar="P",
-                   help="parameter servers: start a chief, N workers and P parameter servers "
-                        "(--strategy=parameter_server); default 0: N workers, no chief")
-    p.add_argument("--max_restarts", type=int, default=0, metavar="R",
-                   help="restart the whole group after a failure up to R times (default 0)")
-    p.add_argument("--port_base", type=int, default=None, metavar="P",
-                   help="use free ports P, P+1, ... (ports in use are skipped); "
-                        "default: ports picked by the OS")
-    p.add_argument("--host", default="localhost",
-                   help="host name or address written into TF_CONFIG (default localhost)")
-    p.add_argument("--grace_s", type=float, default=30.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL when stopping workers: a "
-                        "tfdist-train worker saves a checkpoint and exits 143 within its "
-                        "--preemption_grace_s (default 25) of SIGTERM (default 30)")
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Start N local workers of CMD as a TF_CONFIG cluster; stop them all "
+                            "when one fails,\noptionally restart the group. Everything after "
+                            "'--' is the worker command:\n\n"
+                            f"    {PROG} --workers=2 -- tfdist-train --strategy=multi_worker\n"
+                            f"    {PROG} --workers=2 --ps=1 -- tfdist-train "
+                            "--strategy=parameter_server",
+                epilog="Exit status: 0 when every worker exited 0; 1 after a failure (restarts "
+                       "used up);\n128+N when stopped by signal N; 2 for a bad command line.")
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--workers", type=int, required=True, metavar="N",
+                         help="number of worker processes [required; an integer >= 1]")
+    cluster.add_argument("--ps", type=int, default=0, metavar="P",
+                         help="parameter servers: start a chief, N workers and P parameter "
+                              "servers (--strategy=parameter_server); 0: N workers, no chief "
+                              "[default: %(default)s; an integer >= 0]")
+    cluster.add_argument("--host", default="localhost",
+                         help="host name or address written into TF_CONFIG "
+                              "[default: %(default)s]")
+    cluster.add_argument("--port_base", type=int, default=None, metavar="P",
+                         help="use free ports P, P+1, ... (ports in use are skipped) "
+                              "[default: ports picked by the OS; a TCP port, 1 to 65535]")
+    faults = p.add_argument_group("faults")
+    faults.add_argument("--max_restarts", type=int, default=0, metavar="R",
+                        help="restart the whole group after a failure up to R times "
+                             "[default: %(default)s; an integer >= 0]")
+    faults.add_argument("--grace_s", type=float, default=30.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping workers: a "
+                             "tfdist-train worker saves a checkpoint and exits 143 within its "
+                             "--preemption_grace_s (default 25) of SIGTERM "
+                             "[default: %(default)g; a number >= 0]")
     return p
 
 

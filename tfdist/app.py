@@ -6,6 +6,9 @@ reported as one line on stderr with exit status 2 and no traceback.
 Your own absl script gets the same handling with `tfdist.app.run(main)`
 (see examples/custom_script.py): absl parses its flags and tfdist's together,
 and `main` may raise `tfdist.UsageError`.
+
+`--help` (`-h`, `-?`, `--helpshort`) prints tfdist's flags by group and, for
+your script, its own flags after them (tfdist/help.py), before TensorFlow loads.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 from absl import app, flags, logging  # noqa: E402
 
 from tfdist import flags as tfdist_flags  # noqa: E402  (defines the flags)
+from tfdist import help as tfdist_help  # noqa: E402
 from tfdist import models, strategies  # noqa: E402  (registries; no TensorFlow yet)
 from tfdist.errors import UsageError, WorkerFault  # noqa: E402
 from tfdist.training.interrupts import PREEMPTED_EXIT, Preempted  # noqa: E402
@@ -111,14 +115,46 @@ def export_main(argv: list[str]) -> None:
           flush=True)
 
 
+TRAIN_HELP = """Train a Keras 3 model under one of TensorFlow's distribution engines
+(--strategy) and print the run summary as one JSON line. Canned runs are flagfiles:
+
+    tfdist-train --flagfile=configs/demo.cfg [--flag=value ...]
+
+Several processes (multi_worker, parameter_server): tfdist-launch --workers=N --
+tfdist-train ...; Horovod: horovodrun -np N --gloo tfdist-train --strategy=horovod."""
+
+EXPORT_FLAGS = ("model_dir", "export_dir")
+EXPORT_HELP = """Write model.keras and a SavedModel (saved_model/, signature serve) into
+--export_dir from the latest checkpoint of the tfdist-train run in --model_dir, without
+training (the run's run.json says how to rebuild its model)."""
+
+
+def _train_help() -> str:
+    return tfdist_help.program_help(_prog(), description=TRAIN_HELP)
+
+
+def _script_help() -> str:
+    """A user's script: its docstring, tfdist's groups, then its own flags."""
+    return tfdist_help.program_help(_prog(), description=sys.modules["__main__"].__doc__ or "",
+                                    script=True)
+
+
+def _export_help() -> str:
+    return tfdist_help.program_help(
+        _prog(), usage=f"usage: {_prog()} --model_dir=DIR --export_dir=DIR",
+        description=EXPORT_HELP, only=EXPORT_FLAGS)
+
+
 def run_export() -> None:
     """Console-script entry point of tfdist-export."""
+    tfdist_help.install(_export_help)
     app.run(_guarded(export_main), flags_parser=parse_flags)
 
 
 def run(user_main=None) -> None:
     """Run `user_main(argv)` (default: tfdist-train's) under absl with tfdist's
-    flag parsing and error handling; the console-script entry point."""
+    flag parsing, grouped --help and error handling; the console-script entry point."""
+    tfdist_help.install(_script_help if user_main else _train_help)
     app.run(_guarded(user_main or main), flags_parser=parse_flags)
 
 

@@ -74,6 +74,9 @@ import time
 
 import numpy as np
 
+# Bad input or a failed run: one line on stderr, exit status 2 (see main).
+from tfdist.errors import UsageError
+
 PROG = "tfdist-compare"
 
 
@@ -94,6 +97,7 @@ def _launch_horovod(opts, argv: list) -> list:
 LAUNCHERS = {"mirrored": None, "multi_worker": _launch_workers, "horovod": _launch_horovod}
 STRATEGIES = tuple(LAUNCHERS)
 DEFAULT_TOLERANCE = 0.1
+DEFAULT_WORKERS = 2
 DEFAULT_WINDOW = 5
 DEFAULT_TIMEOUT_S = 900.0
 # Flags tfdist-compare sets on each run itself; they come after the shared
@@ -103,10 +107,6 @@ REPORT, PLOT = "report.md", "loss_curves.png"
 _MARKER = ".tfdist-compare"   # marks an output dir this tool may clean
 _REPLICA_TAG = re.compile(r"grad_agreement_replica_(\d+)$")
 _STOP_GRACE_S = 10.0  # above tfdist-launch's own 5 s stop grace: it stops its workers first
-
-
-class UsageError(Exception):
-    """Bad input or a failed run: one line on stderr, exit status 2."""
 
 
 class Interrupted(Exception):
@@ -215,32 +215,44 @@ def agreement_table(scalars: dict) -> dict:
 
 # -- command line -------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
+    """Options grouped by concern, each help saying its default and valid values
+    (the style of tfdist-train --help)."""
     p = _Parser(prog=PROG, allow_abbrev=False,
                 usage=f"{PROG} --strategy=S [options] -- <tfdist-train flags of both runs>",
+                formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Train one configuration under --strategy=default and under a "
-                            "distributed strategy; compare the loss curves.",
+                            "distributed strategy;\ncompare the loss curves. Everything after "
+                            "'--' goes to both runs' tfdist-train:\n\n"
+                            f"    {PROG} --strategy=mirrored -- --model=mlp --train_steps=40",
                 epilog="Exit status: 0 within tolerance, 1 diverged, 2 bad input or a "
-                       "failed run. Writes loss_curves.png and report.md into --output_dir.")
-    p.add_argument("--strategy", required=True, help=f"one of {', '.join(STRATEGIES)}")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="multi_worker / horovod: processes (default 2)")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="T",
-                   help=f"largest smoothed relative loss gap that passes (default "
-                        f"{DEFAULT_TOLERANCE:g}); a relative gap grows as the loss nears "
-                        "zero, so compare multi_worker/horovod while it is well above")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
-                   help=f"moving-average window in steps (default {DEFAULT_WINDOW})")
-    p.add_argument("--grad_agreement_every", type=int, default=1, metavar="N",
-                   help="distributed run: measure per-replica gradient agreement every N "
-                        "steps (default 1; 0: never)")
-    p.add_argument("--output_dir", default=None, metavar="DIR",
-                   help="where runs, plot and report go (default tfdist-compare-<strategy>)")
-    p.add_argument("--distributed_flags", default="", metavar="FLAGS",
-                   help='extra tfdist-train flags for the distributed run only, e.g. '
-                        '--distributed_flags="--lr_scaling=linear"')
-    p.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                   help=f"each run is stopped and fails after S seconds (default "
-                        f"{DEFAULT_TIMEOUT_S:g})")
+                       "failed run.\nWrites loss_curves.png and report.md into --output_dir.")
+    runs = p.add_argument_group("runs")
+    runs.add_argument("--strategy", required=True, metavar="{" + ",".join(STRATEGIES) + "}",
+                      help="the distributed run's engine [required]")
+    runs.add_argument("--workers", type=int, default=None, metavar="N",
+                      help="multi_worker / horovod: processes "
+                           f"[default: {DEFAULT_WORKERS}; an integer >= 1]")
+    runs.add_argument("--distributed_flags", default="", metavar="FLAGS",
+                      help='extra tfdist-train flags for the distributed run only, e.g. '
+                           '--distributed_flags="--lr_scaling=linear" [default: none]')
+    runs.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                      help="each run is stopped and fails after S seconds "
+                           "[default: %(default)g; a number > 0]")
+    verdict = p.add_argument_group("verdict")
+    verdict.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="T",
+                         help="largest smoothed relative loss gap that passes; a relative gap "
+                              "grows as the loss nears zero, so compare multi_worker/horovod "
+                              "while it is well above [default: %(default)g; a number > 0]")
+    verdict.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
+                         help="moving-average window in steps "
+                              "[default: %(default)s; an integer >= 1]")
+    verdict.add_argument("--grad_agreement_every", type=int, default=1, metavar="N",
+                         help="distributed run: measure per-replica gradient agreement every "
+                              "N steps; 0: never [default: %(default)s; an integer >= 0]")
+    output = p.add_argument_group("output")
+    output.add_argument("--output_dir", default=None, metavar="DIR",
+                        help="where runs, plot and report go "
+                             "[default: tfdist-compare-<strategy>]")
     return p
 
 
@@ -273,7 +285,7 @@ def parse_args(argv: list) -> tuple:
         several = " and ".join(s for s, launch in LAUNCHERS.items() if launch)
         raise UsageError(f"--workers={opts.workers} applies to {several}; {opts.strategy} uses "
                          "the local devices (--virtual_devices after --)")
-    opts.workers = 2 if opts.workers is None else opts.workers
+    opts.workers = DEFAULT_WORKERS if opts.workers is None else opts.workers
     if opts.workers < 1:
         raise UsageError(f"--workers={opts.workers} must be at least 1")
     if not opts.tolerance > 0 or not np.isfinite(opts.tolerance):

@@ -266,6 +266,32 @@ _CHECKPOINT_INPUT = flags.DEFINE_boolean(
     "batches an uninterrupted one reads; off: a resumed run draws a fresh permutation.")
 _SEED = flags.DEFINE_integer("seed", _TRAIN_DEFAULTS.seed, "Seed for weights, shuffling and synthetic data.", lower_bound=0)
 
+# `--help` lists tfdist's flags in these groups, in this order (tfdist/help.py).
+# Every flag defined above belongs to exactly one: tests/test_help.py fails on a
+# flag without a group, so a new flag is added here in the same change.
+HELP_GROUPS = {title: tuple(holder.name for holder in holders) for title, holders in {
+    "engine and cluster": (
+        _STRATEGY, _VIRTUAL_DEVICES, _WORKER_HOSTS, _TASK_INDEX, _PS_HOSTS, _TASK_TYPE,
+        _PS_SHARD_BYTES, _COLLECTIVE, _BYTES_PER_PACK, _MESH, _SHARD_OPTIMIZER_STATE,
+        _PRINT_LAYOUTS),
+    "model and data": (
+        _MODEL, _MODEL_WIDTH, _MODEL_DEPTH, _NUM_HEADS, _DATASET, _DATA_DIR, _SYNTHETIC,
+        _IMAGE_SIZE, _VOCAB_SIZE, _SEQUENCE_LENGTH, _AUTOSHARD, _SHUFFLE_BUFFER),
+    "training": (
+        _GLOBAL_BATCH_SIZE, _TRAIN_STEPS, _EPOCHS, _OPTIMIZER, _LEARNING_RATE, _MOMENTUM,
+        _WEIGHT_DECAY, _LR_SCALING, _BASE_BATCH_SIZE, _WARMUP_STEPS, _LR_DECAY,
+        _CLIP_GRAD_NORM, _ACCUM_STEPS, _LOSS, _LABEL_SMOOTHING, _METRICS, _EVAL_EVERY, _SEED),
+    "precision and speed": (
+        _PRECISION, _LOSS_SCALE_GROWTH_STEPS, _JIT_COMPILE, _RECOMPUTE, _GRAD_COMPRESSION,
+        _REDUCE_BUCKET_MB, _STEPS_PER_LOOP, _PROFILE_STEPS, _PROFILE_ALL_RANKS),
+    "faults": (
+        _COLLECTIVE_TIMEOUT_S, _PREEMPTION_GRACE_S, _ON_NONFINITE, _MAX_ROLLBACKS, _ELASTIC,
+        _ELASTIC_COMMIT_EVERY),
+    "output": (
+        _MODEL_DIR, _CHECKPOINT_EVERY, _KEEP_CHECKPOINTS, _CHECKPOINT_INPUT, _EXPORT_DIR,
+        _LOG_EVERY, _LOG_ALL_RANKS, _GRAD_AGREEMENT_EVERY),
+}.items()}
+
 _DEFAULT_TRAIN_STEPS = _TRAIN_DEFAULTS.train_steps
 
 

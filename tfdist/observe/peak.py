@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
 from absl import logging
 
+from tfdist.errors import UsageError
 from tfdist.observe import hardware
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -164,24 +166,49 @@ def _measure_tflops(dtype: str) -> float:
     return 2 * n**3 / best / 1e12
 
 
-def main(argv=None) -> int:
-    """`tfdist-peak`: print the host and its matmul peak per dtype."""
-    parser = argparse.ArgumentParser(
-        prog="tfdist-peak", description="This host's matmul peak per dtype (cached).")
-    parser.add_argument("--dtype", default=",".join(DTYPES),
-                        help=f"comma-separated dtypes among {', '.join(DTYPES)} (default: all)")
-    parser.add_argument("--refresh", action="store_true",
-                        help="measure again instead of reading the cache")
-    args = parser.parse_args(argv)
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is one line and exit status 2 (argparse prints its usage too)."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Options grouped and described in the style of tfdist-train --help."""
+    parser = _Parser(prog="tfdist-peak", allow_abbrev=False,
+                     description="This host's matmul peak per dtype, measured once and cached "
+                                 "(MFU divides by it).",
+                     epilog=f"Cache: {cache_path()} ($TFDIST_CACHE_DIR overrides the folder).")
+    measure = parser.add_argument_group("measurement")
+    measure.add_argument("--dtype", default=",".join(DTYPES), metavar="DTYPE,...",
+                         help=f"comma-separated dtypes, each one of {', '.join(DTYPES)} "
+                              "[default: %(default)s]")
+    measure.add_argument("--refresh", action="store_true",
+                         help="measure again instead of reading the cache [default: false]")
+    return parser
+
+
+def _parse_args(argv) -> tuple:
+    args = _parser().parse_args(argv)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown or not dtypes:
-        parser.error(f"--dtype={args.dtype}: unknown dtype; valid: {', '.join(DTYPES)}")
+        raise UsageError(f"--dtype={args.dtype}: unknown dtype; valid: {', '.join(DTYPES)}")
+    return dtypes, args.refresh
+
+
+def main(argv=None) -> int:
+    """`tfdist-peak`: print the host and its matmul peak per dtype."""
+    try:
+        dtypes, refresh = _parse_args(argv)
+    except UsageError as error:
+        print(f"tfdist-peak: error: {error}", file=sys.stderr)
+        sys.exit(2)   # SystemExit, as argparse's own exit was: callers rely on it
     # Quiet TensorFlow's C++ start-up chatter unless the user asked for it.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     print(hardware.describe())
     for dtype in dtypes:
-        tflops, measured = _peak(dtype, refresh=args.refresh)
+        tflops, measured = _peak(dtype, refresh=refresh)
         print(f"{dtype}: {tflops:.3f} TFLOP/s ({'measured' if measured else 'cached'})",
               flush=True)
     return 0
