@@ -20,20 +20,15 @@ from typing import Optional
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.checkpoint import checkpoint_management
 
-from tfdist.errors import UsageError, WorkerFault
+from tfdist import compat
+from tfdist.errors import UsageError, WorkerFault, first_line
 
 _PREFIX = "ckpt"
 
 
 class CheckpointWriteError(WorkerFault):
     """A checkpoint could not be written (the previous ones are intact)."""
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(getattr(error, "message", error)).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
 
 
 def _step_of(path: str) -> int:
@@ -70,7 +65,7 @@ class Checkpointer:
                 listed = list(state.all_model_checkpoint_paths)
         except Exception as error:  # noqa: BLE001  (a corrupted index file)
             logging.warning("checkpoint index in %s is damaged (%s); looking at the files",
-                            self.directory, _first_line(error))
+                            self.directory, first_line(error))
         found = [path[:-len(".index")] for path in
                  glob.glob(os.path.join(self.directory, f"{_PREFIX}-*.index"))]
         paths = {os.path.join(self.directory, os.path.basename(p)) for p in listed + found}
@@ -97,7 +92,7 @@ class Checkpointer:
             except Exception as error:  # noqa: BLE001  (damage shows as OpError, IndexError, ...)
                 older = [p for p in candidates if _step_of(p) < _step_of(path)]
                 logging.warning("checkpoint %s cannot be read (%s); %s", path,
-                                _first_line(error),
+                                first_line(error),
                                 f"falling back to {older[0]}" if older else "no older one")
                 continue
             logging.info("restored %s", path)
@@ -131,24 +126,19 @@ class Checkpointer:
             previous = self.latest
             raise CheckpointWriteError(
                 f"cannot save the checkpoint of step {step} in {self.directory}: "
-                f"{_first_line(error)}; "
+                f"{first_line(error)}; "
                 + (f"the previous checkpoint {os.path.basename(previous)} is intact"
                    if previous else "no earlier checkpoint exists")) from None
         kept = [p for p in self.candidates() if p != written][:self.keep - 1]
         kept = sorted([written, *kept], key=_step_of)
         try:
             # The index last: it only ever names complete, readable checkpoints.
-            # What tf.train.CheckpointManager calls (relative paths: the
-            # directory may move); the public tf.compat.v1 wrapper prints a
-            # three-line deprecation warning into every run's log.
-            checkpoint_management.update_checkpoint_state_internal(
-                self.directory, written, all_model_checkpoint_paths=kept,
-                save_relative_paths=True)
+            compat.update_checkpoint_state(self.directory, written, all_paths=kept)
         except (tf.errors.OpError, OSError) as error:
             _remove(written)
             raise CheckpointWriteError(
                 f"cannot update the checkpoint index in {self.directory}: "
-                f"{_first_line(error)}; the previous checkpoints are intact") from None
+                f"{first_line(error)}; the previous checkpoints are intact") from None
         for old in self.candidates():
             if old not in kept:
                 _remove(old)
@@ -215,7 +205,7 @@ class InputPosition:
             _remove(path)
             self.enabled = False
             logging.warning("cannot save the input position (%s); a run resumed from a later "
-                            "checkpoint draws a fresh permutation of the data", _first_line(error))
+                            "checkpoint draws a fresh permutation of the data", first_line(error))
             return
         steps = sorted((_step_of(p[:-len(".index")]) for p in
                         glob.glob(os.path.join(self.directory, f"{_PREFIX}-*.index"))),
@@ -231,7 +221,7 @@ class InputPosition:
             self.checkpoint.read(self._path(step)).assert_consumed()
         except Exception as error:  # noqa: BLE001  (damaged, or another pipeline layout)
             logging.warning("the input position of step %d cannot be read (%s)", step,
-                            _first_line(error))
+                            first_line(error))
             return False
         return True
 

@@ -23,3 +23,14 @@ class WorkerFault(Exception):
 
 class NonFiniteLoss(WorkerFault):
     """The loss became NaN or infinite (`--on_nonfinite=stop`, or too many rollbacks)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first meaningful line of `error`'s message (a TensorFlow `OpError`'s
+    `message`, without traceback lines), at most 300 characters; the error's
+    type name when it has no message. For one-line reports of upstream errors."""
+    for line in str(getattr(error, "message", error)).strip().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("File ", "Traceback")):
+            return line[:300]
+    return type(error).__name__

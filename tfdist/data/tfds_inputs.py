@@ -38,17 +38,12 @@ from tfdist.data import text as text_lib
 from tfdist.data.builders.offline import OfflineBuilder
 from tfdist.data.inputs import Inputs
 from tfdist.data.spec import DatasetSpec
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, first_line
 
 # Where TFDS downloads catalog datasets from (and the host the probe tries).
 DOWNLOAD_HOST, DOWNLOAD_PORT = "storage.googleapis.com", 443
 PROBE_TIMEOUT = 3.0  # seconds
 EVAL_SPLITS = ("test", "validation")  # the first present is evaluated
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def _probe_address() -> tuple:
@@ -113,7 +108,7 @@ def _builder(config: DataConfig):
             f"--data_dir={_q(config.data_dir or tfds.core.constants.DATA_DIR)}") from None
     except Exception as error:  # e.g. data_dir is a file, or unreadable
         raise UsageError(f"--dataset={_q(config.dataset)}: cannot open it in "
-                         f"--data_dir={_q(config.data_dir)}: {_first_line(error)}") from None
+                         f"--data_dir={_q(config.data_dir)}: {first_line(error)}") from None
 
 
 def _prepare(builder, config: DataConfig):
@@ -145,7 +140,7 @@ def _prepare(builder, config: DataConfig):
     except Exception as error:
         raise UsageError(
             f"--dataset={config.dataset}: cannot be prepared in --data_dir="
-            f"{quoted}: {_first_line(error)} (prepare it there with "
+            f"{quoted}: {first_line(error)} (prepare it there with "
             "`tfds build`, or pick a bundled dataset: "
             f"{', '.join(builders.BUNDLED)})") from None
     return _builder(config)

@@ -28,6 +28,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfdist import compat
+
 # Training = forward + backward, and the backward pass of a matmul is two
 # matmuls of the same size (gradient w.r.t. the activations and w.r.t. the
 # weights), so a training step costs 3 forward passes (Kaplan et al. 2020's
@@ -148,10 +150,7 @@ def _called_flops(op, scopes, by_op: dict) -> int:
 
 def _function_flops(name, scopes, by_op: dict) -> int:
     for graph in reversed(scopes):
-        # `_get_function` is private, but it hands back the traced FuncGraph
-        # with its static shapes; rebuilding graphs from the FunctionDefs of
-        # `as_graph_def().library` would need private imports too.
-        function = graph._get_function(name)  # noqa: SLF001
+        function = compat.graph_function(graph, name)   # the traced FuncGraph
         if function is not None:
             return _graph_flops(function.graph, (*scopes, function.graph), by_op)
     raise ValueError(f"function {name} is not in the graph's function library")

@@ -23,11 +23,12 @@ import functools
 import os
 import signal
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import cluster, sharding
+from tfdist import cluster, compat, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
 from tfdist.observe import logs, watchdog
@@ -40,22 +41,20 @@ def _keras_path(initial_value, name: str) -> str:
 
     Keras creates the `tf.Variable` lazily, after its name scopes have closed,
     so `tf.get_current_name_scope()` loses nested layers' scopes; the deferred
-    initial value is a closure over the Keras `Variable`, which knows its path.
+    initial value is a closure over the Keras `Variable`, which knows its path
+    (`compat.keras_variable_of`). Other variables take the name scope's path.
     """
-    for cell in getattr(initial_value, "__closure__", None) or ():
-        try:
-            owner = cell.cell_contents
-        except ValueError:
-            continue
-        if hasattr(owner, "path") and hasattr(owner, "_initialize"):
-            return owner.path
+    owner = compat.keras_variable_of(initial_value)
+    if owner is not None:
+        return owner.path
     scope = tf.get_current_name_scope()
     return f"{scope}/{name}" if scope else name
 
 
 def _read(variable):
     """The current value (a DTensor) of a Keras or TensorFlow variable."""
-    inner = getattr(variable, "_value", variable)   # a Keras Variable wraps a tf.Variable
+    # A Keras Variable wraps a tf.Variable (its `value` outside autocast scopes).
+    inner = variable.value if isinstance(variable, keras.Variable) else variable
     return inner.read_value() if isinstance(inner, tf.Variable) else tf.convert_to_tensor(inner)
 
 
@@ -260,6 +259,7 @@ class DTensorStrategy(Strategy):
     @contextlib.contextmanager
     def scope(self):
         # Not inside `dtensor.default_mesh`: there, variables skip the creator.
+        compat.check_keras_variable_of()   # the creator needs Keras variables' paths
         with tf.variable_creator_scope(self._creator):
             yield
 
@@ -318,14 +318,10 @@ class DTensorStrategy(Strategy):
                                              global_batch_size=global_batch,
                                              batch_dim=sharding.BATCH)
         if not (self._spec and self._spec.num_workers > 1):
-            # DTensor 2.21 counts the replicas' devices from *all* of the
-            # process's devices of the mesh's type (num_global_devices), not
-            # the mesh's: on a process with more devices than the mesh uses
-            # (4 CPUs, mesh batch:2,model:1) it takes each replica to span 2
-            # clients, repeats every batch and feeds every local replica the
-            # same examples. In one process no replica spans clients.
-            distributed._num_clients_per_replica = 1
-            distributed._partition_offset = 0
+            # DTensor 2.21 takes each replica to span 2 clients on a process
+            # with more devices than the mesh uses and feeds every local
+            # replica the same examples; in one process no replica spans clients.
+            compat.dtensor_dataset_one_client_per_replica(distributed)
         return distributed
 
     # -- stepping ----------------------------------------------------------

@@ -16,9 +16,13 @@ variable: it is stored split, and gathered for the update (see `LayoutTable`).
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+
+from tfdist import compat
 
 
 class LayoutTable:
@@ -47,16 +51,16 @@ class LayoutTable:
         slot.assign(value)
 
 
-def _adam_update(self, gradient, variable, learning_rate):
+def _adam_update(self, layouts, gradient, variable, learning_rate):
     dtype = variable.dtype
-    index = self._get_variable_index(variable)
+    index = compat.variable_index(self, variable)
     lr = tf.cast(learning_rate, dtype)
     g = tf.cast(gradient, dtype)
-    layouts = self._tfdist_layouts
     step = tf.cast(self.iterations + 1, dtype)
     alpha = lr * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), step)) / (
         1 - tf.pow(tf.cast(self.beta_1, dtype), step))
-    m, v = self._momentums[index], self._velocities[index]
+    momentums, velocities = compat.adam_slots(self)
+    m, v = momentums[index], velocities[index]
     m_old, v_old = layouts.read(index, m), layouts.read(index, v)
     m_new = m_old + (g - m_old) * (1 - self.beta_1)
     v_new = v_old + (tf.square(g) - v_old) * (1 - self.beta_2)
@@ -65,15 +69,14 @@ def _adam_update(self, gradient, variable, learning_rate):
     variable.assign_sub(m_new * alpha / (tf.sqrt(v_new) + self.epsilon))
 
 
-def _sgd_update(self, gradient, variable, learning_rate):
+def _sgd_update(self, layouts, gradient, variable, learning_rate):
     dtype = variable.dtype
-    index = self._get_variable_index(variable)
+    index = compat.variable_index(self, variable)
     lr = tf.cast(learning_rate, dtype)
     g = tf.cast(gradient, dtype)
     if not self.momentum:
         variable.assign_sub(g * lr)
         return
-    layouts = self._tfdist_layouts
     m = self.momentums[index]
     m_new = layouts.read(index, m) * tf.cast(self.momentum, dtype) - g * lr
     layouts.store(index, m, m_new)
@@ -85,10 +88,10 @@ def install(optimizer, layouts: LayoutTable) -> None:
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if isinstance(inner, keras.optimizers.Adam) and not inner.amsgrad:
         update = _adam_update          # AdamW too: Keras applies its decay before update_step
+        compat.adam_slots(inner)       # fails here, in one line, if Keras renamed them
     elif type(inner) is keras.optimizers.SGD and not inner.nesterov:
         update = _sgd_update
     else:
         raise TypeError(f"--strategy=dtensor has no verified update for {type(inner).__name__}; "
                         "use sgd, momentum, adam or adamw")
-    inner._tfdist_layouts = layouts
-    inner.update_step = update.__get__(inner)
+    inner.update_step = functools.partial(update, inner, layouts)

@@ -22,12 +22,14 @@ A cluster of one chief, N workers and P parameter servers (TF_CONFIG with
   summaries and evaluation (one closure over the whole test split, after the
   loop's updates have landed) are the chief's.
 
-Keras 3 on this path needs three workarounds (BUILD_NOTES.md): gradients of
+Keras 3 on this path needs four workarounds (BUILD_NOTES.md): gradients of
 a partitioned variable are taken for its shards (a Keras variable wrapping a
 `ShardedVariable` has no `.handle`), the optimizer updates partitioned
-variables directly (`extended.update` refuses a `ShardedVariable`), and its
+variables directly (`extended.update` refuses a `ShardedVariable`), its
 slots of a partitioned variable are partitioned too (Keras would put them on
-the chief, colocated with nothing).
+the chief, colocated with nothing), and partitioned variables checkpoint as
+one whole tensor. The two that replace private upstream names are in
+`tfdist.compat`.
 """
 
 from __future__ import annotations
@@ -43,13 +45,12 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist import cluster
+from tfdist import cluster, compat
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import logs, watchdog
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.multi_worker import _reason
 
-_SHARDED = tf.__internal__.distribute.ShardedVariable
 CHIEF_POLL_S = 1.0       # how often a server checks that the chief is still there
 CHIEF_GONE_PROBES = 3    # failed probes in a row that mean the chief has ended
 
@@ -107,81 +108,24 @@ class _OneLineClosureErrors(std_logging.Filter):
 _CLOSURE_ERRORS = _OneLineClosureErrors()
 
 
-def _uncolocate_from_shards(next_creator, **kwargs):
+def _variable_creator(next_creator, **kwargs):
     """Keras creates an optimizer slot colocated with its variable; colocated
     with a ShardedVariable, ParameterServerStrategy puts the slot, whole, on
     the chief. Without the colocation the strategy shards it over the
-    parameter servers like its variable."""
-    if isinstance(kwargs.get("colocate_with"), _SHARDED):
+    parameter servers like its variable. Each partitioned variable created
+    here also checkpoints as one whole tensor (`compat.checkpoint_sharded_whole`:
+    Keras cannot save it otherwise), so its checkpoint restores anywhere."""
+    if compat.is_sharded(kwargs.get("colocate_with")):
         kwargs.pop("colocate_with")
-    return next_creator(**kwargs)
+    variable = next_creator(**kwargs)
+    if compat.is_sharded(variable):
+        compat.checkpoint_sharded_whole(variable)
+    return variable
 
 
 def _value(variable):
     """The tf.Variable (or ShardedVariable) behind a Keras 3 variable."""
     return getattr(variable, "value", variable) if hasattr(variable, "path") else variable
-
-
-def _update_shards_directly(optimizer) -> None:
-    """Let a Keras 3 optimizer update ShardedVariables: its TensorFlow update
-    goes through `distribution.extended.update(var, ...)`, which cannot
-    colocate with a ShardedVariable ("doesn't support being used as a
-    reference"). Their update ops run where the step runs and write each
-    shard where it lives; other variables take Keras's own path."""
-    update_step = optimizer._distributed_tf_update_step
-    apply_weight_decay = optimizer._apply_weight_decay
-
-    def distributed_update(distribution, grads_and_vars, learning_rate):
-        plain = []
-        for grad, variable in grads_and_vars:
-            if isinstance(variable, _SHARDED):
-                optimizer.update_step(grad, variable, learning_rate)
-            else:
-                plain.append((grad, variable))
-        update_step(distribution, plain, learning_rate)
-
-    def weight_decay(variables):
-        if optimizer.weight_decay is None:
-            return
-        for variable in variables:
-            if isinstance(_value(variable), _SHARDED) and optimizer._use_weight_decay(variable):
-                lr = tf.cast(optimizer.learning_rate, variable.dtype)
-                decay = tf.cast(optimizer.weight_decay, variable.dtype)
-                _value(variable).assign_sub(tf.convert_to_tensor(variable) * decay * lr)
-        apply_weight_decay([v for v in variables if not isinstance(_value(v), _SHARDED)])
-
-    optimizer._distributed_tf_update_step = distributed_update
-    optimizer._apply_weight_decay = weight_decay
-
-
-def _checkpoint_shards_whole() -> None:
-    """Let Keras 3 variables over a ShardedVariable be checkpointed.
-
-    Keras's TF variable serializes `{"VARIABLE_VALUE": self.value}` when its
-    value has no `_serialize_to_tensors`, and the saver then asks the
-    ShardedVariable for a `.device` it does not have (AttributeError). Such a
-    variable is saved as one whole tensor instead (read from its shards) and
-    restored by assigning it (which splits it again), so a checkpoint written
-    here restores under every other engine and any shard count. Only
-    variables whose value is a ShardedVariable take this path."""
-    from keras.src.backend.tensorflow import core   # the one private import: see above
-    if getattr(core.Variable, "_tfdist_whole_shards", False):
-        return
-    serialize, restore = core.Variable._serialize_to_tensors, core.Variable._restore_from_tensors
-
-    def _serialize_to_tensors(self):
-        if isinstance(self.value, _SHARDED):
-            return {"VARIABLE_VALUE": tf.convert_to_tensor(self.value)}
-        return serialize(self)
-
-    def _restore_from_tensors(self, restored_tensors):
-        if isinstance(self.value, _SHARDED):
-            return self.value.assign(restored_tensors["VARIABLE_VALUE"])
-        return restore(self, restored_tensors)
-
-    core.Variable._serialize_to_tensors = _serialize_to_tensors
-    core.Variable._restore_from_tensors = _restore_from_tensors
-    core.Variable._tfdist_whole_shards = True
 
 
 class ParameterServerStrategy(Strategy):
@@ -212,7 +156,6 @@ class ParameterServerStrategy(Strategy):
                                  f"{_gist(error)}") from None
             return
         num_ps = len(spec.cluster["ps"])
-        _checkpoint_shards_whole()
         std_logging.getLogger("tensorflow").addFilter(_CLOSURE_ERRORS)
         partitioner = (tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=config.ps_shard_bytes, max_shards=num_ps)
@@ -262,7 +205,7 @@ class ParameterServerStrategy(Strategy):
     def scope(self):
         stack = contextlib.ExitStack()
         stack.enter_context(self._strategy.scope())
-        stack.enter_context(tf.variable_creator_scope(_uncolocate_from_shards))
+        stack.enter_context(tf.variable_creator_scope(_variable_creator))
         return stack
 
     @property
@@ -326,7 +269,7 @@ class ParameterServerStrategy(Strategy):
 
     def gradients(self, tape, target, variables) -> list:
         """Gradients for each shard of a partitioned variable, concatenated."""
-        sources = [list(_value(v).variables) if isinstance(_value(v), _SHARDED) else [v]
+        sources = [list(_value(v).variables) if compat.is_sharded(_value(v)) else [v]
                    for v in variables]
         grads = tape.gradient(target, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return [parts[0] if len(parts) == 1 else
@@ -334,10 +277,11 @@ class ParameterServerStrategy(Strategy):
 
     def prepare_optimizer(self, optimizer, variables) -> None:
         self._optimizer = optimizer
-        inner = getattr(optimizer, "inner_optimizer", None)
-        for each in (optimizer, inner):
-            if each is not None and hasattr(each, "_distributed_tf_update_step"):
-                _update_shards_directly(each)
+        if any(compat.is_sharded(_value(v)) for v in variables):
+            # The optimizer that applies the updates (a LossScaleOptimizer
+            # hands them to its inner one) updates partitioned variables directly.
+            compat.optimizer_updates_sharded_variables(
+                getattr(optimizer, "inner_optimizer", optimizer))
 
     def function(self, fn):
         """`fn` as one closure on a free worker; its result once it is done."""
@@ -434,6 +378,6 @@ def variable_devices(model) -> dict:
     found = {}
     for variable in model.variables:
         value = _value(variable)
-        shards = value.variables if isinstance(value, _SHARDED) else [value]
+        shards = value.variables if compat.is_sharded(value) else [value]
         found[variable.path] = [shard.device for shard in shards]
     return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfdist import compat
 from tfdist.config import OptimizerConfig
 from tfdist.training import schedules
 
@@ -44,19 +45,9 @@ def current_learning_rate(optimizer) -> float:
 
 
 def without_builtin_reduction(optimizer: keras.optimizers.Optimizer):
-    """Stop `optimizer.apply` from summing gradients across replicas itself.
-
-    Keras 3's TensorFlow optimizer all-reduces gradients inside `apply` when it
-    runs in a tf.distribute replica context (`_all_reduce_sum_gradients`).
-    tfdist reduces once per update through the strategy adapter instead, so
-    that accumulation, compression and Horovod share one path; a second sum
-    would multiply the gradients by the number of replicas. This is the one
-    place tfdist relies on a private Keras method; the equivalence tests fail
-    loudly if Keras changes it.
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if not hasattr(inner, "_all_reduce_sum_gradients"):
-        raise RuntimeError("this Keras version has no Optimizer._all_reduce_sum_gradients; "
-                           "tfdist's gradient reduction needs updating for it")
-    inner._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
-    return optimizer
+    """Stop `optimizer.apply` from summing gradients across replicas itself:
+    tfdist reduces once per update through the strategy adapter (so that
+    accumulation, compression and Horovod share one path), and a second sum
+    would multiply the gradients by the number of replicas. The private Keras
+    hook this replaces, and its check, are in `tfdist.compat`."""
+    return compat.disable_optimizer_all_reduce(optimizer)

@@ -31,7 +31,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import UsageError
+from tfdist import compat
+from tfdist.errors import UsageError, first_line
 
 SUM_OVER_BATCH = "sum_over_batch_size"
 REDUCTIONS = (SUM_OVER_BATCH, "mean", "sum", "mean_with_sample_weight", None, "none")
@@ -111,17 +112,16 @@ def _as_loss(identifier) -> tuple[Callable, Optional[str], str]:
 def _aligned(fn):
     """A Keras loss function, with targets and predictions brought to the same
     rank first (as `keras.losses.Loss` does; e.g. (B,) targets, (B, 1) outputs)."""
-    from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 
     def call(y_true, y_pred):
-        y_true, y_pred = squeeze_or_expand_to_same_rank(y_true, y_pred)
+        y_true, y_pred = compat.align_ranks(y_true, y_pred)
         return fn(y_true, y_pred)
     return call
 
 
 def _mask_of(*tensors):
     for tensor in tensors:
-        mask = getattr(tensor, "_keras_mask", None)
+        mask = compat.keras_mask(tensor)
         if mask is not None:
             return mask
     return None
@@ -170,8 +170,7 @@ class Task:
         """The task for `tfdist.train(loss=, metrics=)`: what was passed, else what
         `model.compile` was given, else the default (sparse categorical
         cross-entropy on logits, accuracy)."""
-        compiled = getattr(model, "_compile_config", None)
-        compiled = compiled.config if compiled is not None else {}
+        compiled = (compat.compiled_config(model) if model is not None else None) or {}
         if loss is None and compiled.get("loss") is not None:
             loss = compiled["loss"]
             if metrics is None:
@@ -201,14 +200,19 @@ class Task:
                 raise UsageError(f"metric name {metric.name!r} is given twice; give each "
                                  "metric a distinct name=")
             names.add(metric.name)
-            if not getattr(metric, "built", True) and hasattr(metric, "_build"):
-                metric._build(y_spec.shape, pred_spec.shape)  # e.g. F1Score sizes by y
+            try:   # e.g. F1Score sizes its state by the targets
+                with tf.init_scope():
+                    compat.build_metric(metric, y_spec.shape, pred_spec.shape)
+            except (ValueError, TypeError) as error:
+                raise UsageError(f"metric {metric.name!r} does not fit targets "
+                                 f"{y_spec.dtype.name} {_shape(y_spec)} and predictions "
+                                 f"{pred_spec.dtype.name} {_shape(pred_spec)}: "
+                                 f"{first_line(error)}") from None
             self._layouts.append(_MetricLayout(metric, [tuple(v.shape) for v in metric.variables],
                                                [v.dtype for v in metric.variables]))
         self._check(y_spec, pred_spec, w_spec)
 
     def _metric(self, identifier, y_spec, pred_spec) -> keras.metrics.Metric:
-        from keras.src.trainers.compile_utils import get_metric
         if isinstance(identifier, str):
             lowered = identifier.lower()
             binary = pred_spec.shape.rank and pred_spec.shape[-1] == 1
@@ -229,10 +233,10 @@ class Task:
                              "object) nor a callable (y_true, y_pred) -> values")
         try:
             with tf.init_scope():   # its (unused) variables: plain, outside any engine
-                return get_metric(identifier, y_spec, pred_spec)
+                return compat.keras_metric(identifier, y_spec, pred_spec)
         except (ValueError, TypeError) as error:
             raise UsageError(f"metric {identifier!r} is not a Keras metric: "
-                             f"{_first_line(error)}; valid: names such as accuracy, auc, "
+                             f"{first_line(error)}; valid: names such as accuracy, auc, "
                              "precision, recall, mae, mse, or keras.metrics objects") from None
 
     def _check(self, y_spec, pred_spec, w_spec) -> None:
@@ -244,14 +248,14 @@ class Task:
                         autograph=False).get_concrete_function(y, p, w)
         except Exception as error:  # noqa: BLE001  (any trace error is a misfit)
             raise UsageError(f"loss {self.loss_name!r} does not fit {what}: "
-                             f"{_first_line(error)}") from None
+                             f"{first_line(error)}") from None
         for layout in self._layouts:
             try:
                 tf.function(lambda y, p, w: self._deltas(layout, y, p, w),
                             autograph=False).get_concrete_function(y, p, w)
             except Exception as error:  # noqa: BLE001
                 raise UsageError(f"metric {layout.metric.name!r} does not fit {what}: "
-                                 f"{_first_line(error)}") from None
+                                 f"{first_line(error)}") from None
 
     # -- in the replica step --------------------------------------------------
     def loss_terms(self, y, y_pred, weight, real):
@@ -352,13 +356,6 @@ def _shape(spec) -> str:
         ("," if spec.shape.rank == 1 else "") + ")"
 
 
-def _first_line(error: BaseException) -> str:
-    for line in str(error).strip().splitlines():
-        line = line.strip()
-        if line and not line.startswith(("File ", "Traceback")):
-            return line[:300]
-    return type(error).__name__
-
 
 
 def task_for(config, model: keras.Model, inputs, loss=None, metrics=None):
@@ -369,7 +366,7 @@ def task_for(config, model: keras.Model, inputs, loss=None, metrics=None):
     from tfdist.data import inputs as inputs_lib
 
     tc = config.train
-    if loss is None and getattr(model, "_compile_config", None) is None:
+    if loss is None and compat.compiled_config(model) is None:
         loss = cli_loss(tc.loss, tc.label_smoothing)
         if metrics is None:
             metrics = [cli_metric(name) for name in tc.metrics]
@@ -383,7 +380,7 @@ def task_for(config, model: keras.Model, inputs, loss=None, metrics=None):
             lambda s: keras.KerasTensor(s.shape, s.dtype), x_spec))
     except Exception as error:  # noqa: BLE001  (a model that does not take these inputs)
         raise UsageError(f"model {model.name} does not take the dataset's inputs {x_spec}: "
-                         f"{_first_line(error)}") from None
+                         f"{first_line(error)}") from None
     if isinstance(output, (list, tuple, dict)) and not isinstance(y_spec, type(output)):
         raise UsageError(f"model {model.name} has several outputs but the targets are "
                          f"{y_spec}; give one target per output")

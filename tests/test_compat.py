@@ -1,0 +1,416 @@
+"""`tfdist.compat`: every private upstream name tfdist relies on.
+
+For each entry: a test that fails if the patch stops taking effect (the
+upstream behaviour it works around is shown to come back without it, or the
+patched behaviour is checked directly), and a test that its check fails in one
+line naming the attribute and the verified versions when the attribute is
+missing or no longer used. In process, on the suite's 4 virtual CPUs.
+"""
+
+import contextlib
+import os
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src.backend.tensorflow import core as keras_tf_core
+from tensorflow.experimental import dtensor
+
+from tfdist import compat
+from tfdist.errors import first_line
+from tfdist.strategies import parameter_server
+
+CPUS = [d.name for d in tf.config.list_logical_devices("CPU")]
+ShardedVariable = tf.__internal__.distribute.ShardedVariable
+
+
+def assert_one_line_change(raises, *names):
+    message = str(raises.value)
+    assert "\n" not in message and compat.VERIFIED in message, message
+    for name in names:
+        assert name in message, message
+
+
+# -- optimizers -------------------------------------------------------------------
+
+def _mirrored_sgd_step(optimizer_fn):
+    """One SGD(lr=1) step of a mirrored variable (0) with gradient 1 on each of 2 replicas."""
+    strategy = tf.distribute.MirroredStrategy(
+        CPUS[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        variable = keras.Variable(np.zeros([1], np.float32))
+        optimizer = optimizer_fn(keras.optimizers.SGD(1.0))
+        optimizer.build([variable])
+
+    @tf.function
+    def step():
+        strategy.run(lambda: optimizer.apply([tf.ones([1])], [variable]))
+
+    step()
+    return float(variable.numpy()[0])
+
+
+def test_optimizer_all_reduce_is_disabled():
+    # Keras sums the replicas' gradients itself (2 replicas x 1 = 2) ...
+    assert _mirrored_sgd_step(lambda o: o) == -2.0
+    # ... tfdist's adapter already summed them: each replica's gradient is applied as it is.
+    assert _mirrored_sgd_step(compat.disable_optimizer_all_reduce) == -1.0
+
+
+def test_optimizer_all_reduce_check(monkeypatch):
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.disable_optimizer_all_reduce(types.SimpleNamespace())
+    assert_one_line_change(raised, "_all_reduce_sum_gradients")
+    optimizer = keras.optimizers.SGD(1.0)
+    monkeypatch.setattr(type(optimizer), "_backend_update_step",
+                        lambda self, grads, variables, lr: None)
+    with pytest.raises(compat.UpstreamChanged, match="no longer used by") as raised:
+        compat.disable_optimizer_all_reduce(optimizer)
+    assert_one_line_change(raised, "_all_reduce_sum_gradients")
+
+
+def test_strategy_supports_no_merge_call(monkeypatch):
+    strategy = tf.distribute.MirroredStrategy(
+        CPUS[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    assert compat.strategy_supports_no_merge_call() is True   # the default strategy
+    with strategy.scope():
+        expected = tf.__internal__.distribute.strategy_supports_no_merge_call()
+        assert compat.strategy_supports_no_merge_call() is expected
+    monkeypatch.delattr(tf.__internal__.distribute, "strategy_supports_no_merge_call")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.strategy_supports_no_merge_call()
+    assert_one_line_change(raised, "strategy_supports_no_merge_call")
+
+
+# -- parameter servers: Keras variables over a ShardedVariable, in one process ----
+
+def _split_in_two(next_creator, **kwargs):
+    """A creator that stores a variable of 2+ rows as a ShardedVariable of two
+    halves, as ParameterServerStrategy's partitioner does (without servers)."""
+    initial = kwargs["initial_value"]
+    value = tf.convert_to_tensor(initial() if callable(initial) else initial,
+                                 dtype=kwargs.get("dtype"))
+    if value.shape.rank == 0 or value.shape[0] < 2:
+        return next_creator(**kwargs)
+    half = value.shape[0] // 2
+    name = kwargs.get("name") or "v"
+    return ShardedVariable([next_creator(initial_value=part, name=f"{name}/part_{i}",
+                                         trainable=kwargs.get("trainable", True))
+                            for i, part in enumerate((value[:half], value[half:]))])
+
+
+def _keras_sharded(values, *creators):
+    """A Keras variable over a ShardedVariable; `creators` run before the split
+    (as the parameter_server engine's creator runs before the strategy's)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tf.variable_creator_scope(_split_in_two))
+        for creator in creators:
+            stack.enter_context(tf.variable_creator_scope(creator))
+        variable = keras.Variable(np.asarray(values, np.float32))
+    assert isinstance(variable.value, ShardedVariable)
+    return variable
+
+
+def test_sharded_variable_type(monkeypatch):
+    sharded = _keras_sharded([[1.0], [2.0]])
+    assert compat.is_sharded(sharded.value) and not compat.is_sharded(tf.Variable(1.0))
+    monkeypatch.delattr(tf.__internal__.distribute, "ShardedVariable")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.is_sharded(sharded.value)
+    assert_one_line_change(raised, "ShardedVariable")
+
+
+def test_optimizer_updates_sharded_variables():
+    start = np.array([[2.0], [4.0], [6.0], [8.0]], np.float32)
+
+    def step(patch):
+        strategy = tf.distribute.MirroredStrategy(CPUS[:1])
+        with strategy.scope():
+            variable = _keras_sharded(start)
+            optimizer = keras.optimizers.SGD(1.0, weight_decay=0.5)
+            optimizer.build([variable])
+        if patch:
+            compat.optimizer_updates_sharded_variables(optimizer)
+
+        @tf.function
+        def apply():
+            strategy.run(lambda: optimizer.apply([tf.ones([4, 1])], [variable]))
+
+        apply()
+        return variable
+
+    # Keras's own path (extended.update) refuses a ShardedVariable under a strategy.
+    with pytest.raises(AssertionError, match="distributed_apply_weight_decay"):
+        step(patch=False)
+    variable = step(patch=True)
+    # decay first (x - 0.5 x), then the gradient step, written into each shard
+    np.testing.assert_allclose(variable.numpy(), start * 0.5 - 1.0)
+    np.testing.assert_allclose(variable.value.variables[1].numpy(), start[2:] * 0.5 - 1.0)
+
+
+def test_optimizer_updates_sharded_variables_check(monkeypatch):
+    for missing in ("_distributed_tf_update_step", "_apply_weight_decay", "_use_weight_decay"):
+        stand_in = types.SimpleNamespace(_distributed_tf_update_step=None,
+                                         _apply_weight_decay=None, _use_weight_decay=None)
+        delattr(stand_in, missing)
+        with pytest.raises(compat.UpstreamChanged) as raised:
+            compat.optimizer_updates_sharded_variables(stand_in)
+        assert_one_line_change(raised, missing)
+    optimizer = keras.optimizers.SGD(1.0)
+    monkeypatch.setattr(type(optimizer), "_backend_update_step",
+                        lambda self, grads, variables, lr: None)
+    with pytest.raises(compat.UpstreamChanged, match="no longer used") as raised:
+        compat.optimizer_updates_sharded_variables(optimizer)
+    assert_one_line_change(raised, "_distributed_tf_update_step")
+
+
+def test_sharded_variables_checkpoint_whole(tmp_path):
+    values = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    unpatched = _keras_sharded(values)
+    with pytest.raises(AttributeError, match="device"):   # BUILD_NOTES PS item 4
+        tf.train.Checkpoint(v=unpatched).write(str(tmp_path / "upstream"))
+    # The parameter_server engine's creator patches each ShardedVariable it creates.
+    sharded = _keras_sharded(values, parameter_server._variable_creator)
+    path = tf.train.Checkpoint(v=sharded).write(str(tmp_path / "whole"))
+    plain = keras.Variable(np.zeros([3, 2], np.float32))   # restores under any other engine
+    tf.train.Checkpoint(v=plain).read(path).assert_consumed()
+    np.testing.assert_array_equal(plain.numpy(), values)
+    sharded.assign(np.zeros([3, 2], np.float32))          # and back, split again
+    tf.train.Checkpoint(v=sharded).read(path).assert_consumed()
+    np.testing.assert_array_equal(sharded.value.variables[1].numpy(), values[1:])
+    assert unpatched.value.__dict__.get("_serialize_to_tensors") is None   # per instance only
+
+
+def test_sharded_checkpoint_check(monkeypatch):
+    monkeypatch.setattr(compat, "_CHECKED", set())
+    monkeypatch.setattr(keras_tf_core.Variable, "_serialize_to_tensors",
+                        lambda self: {"VARIABLE_VALUE": self.value})
+    with pytest.raises(compat.UpstreamChanged, match="no longer delegates") as raised:
+        _keras_sharded([[1.0], [2.0]], parameter_server._variable_creator)
+    assert_one_line_change(raised, "Variable._serialize_to_tensors")
+
+
+# -- DTensor -----------------------------------------------------------------------
+
+def _dtensor_first_batch(patch):
+    """BUILD_NOTES' reproduction: a 2-device mesh in this 4-device process."""
+    mesh = dtensor.create_mesh([("batch", 2)], devices=CPUS[:2])
+    dataset = dtensor.DTensorDataset(tf.data.Dataset.range(64), mesh=mesh,
+                                     layouts=dtensor.Layout.batch_sharded(mesh, "batch", 1),
+                                     global_batch_size=8, batch_dim="batch")
+    if patch:
+        compat.dtensor_dataset_one_client_per_replica(dataset)
+    return [t.numpy().tolist() for t in dtensor.unpack(next(iter(dataset)))]
+
+
+def test_dtensor_dataset_one_client_per_replica():
+    assert len(CPUS) > 2   # the bug needs more devices in the process than in the mesh
+    assert _dtensor_first_batch(patch=False) == [[0, 1, 2, 3], [0, 1, 2, 3]]   # upstream
+    assert _dtensor_first_batch(patch=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_dtensor_dataset_check(monkeypatch):
+    for missing in ("_num_clients_per_replica", "_partition_offset"):
+        stand_in = types.SimpleNamespace(_num_clients_per_replica=2, _partition_offset=1)
+        delattr(stand_in, missing)
+        with pytest.raises(compat.UpstreamChanged) as raised:
+            compat.dtensor_dataset_one_client_per_replica(stand_in)
+        assert_one_line_change(raised, missing)
+    mesh = dtensor.create_mesh([("batch", 2)], devices=CPUS[:2])
+    dataset = dtensor.DTensorDataset(tf.data.Dataset.range(8), mesh=mesh,
+                                     layouts=dtensor.Layout.batch_sharded(mesh, "batch", 1),
+                                     global_batch_size=8, batch_dim="batch")
+    monkeypatch.setattr(type(dataset), "__iter__", lambda self: iter(()))
+    with pytest.raises(compat.UpstreamChanged, match="no longer used by") as raised:
+        compat.dtensor_dataset_one_client_per_replica(dataset)
+    assert_one_line_change(raised, "_num_clients_per_replica")
+
+
+def test_keras_variable_of():
+    owners = []
+
+    def creator(next_creator, **kwargs):
+        owners.append(compat.keras_variable_of(kwargs["initial_value"]))
+        return next_creator(**kwargs)
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(2, name="query")
+
+        def build(self, shape):
+            self.dense.build(shape)
+
+    with tf.variable_creator_scope(creator):
+        block = Block(name="attn")
+        block.build((None, 3))
+    assert [id(o) for o in owners] == [id(block.dense.kernel), id(block.dense.bias)]
+    assert owners[0].path == "attn/query/kernel"   # the name scope would not say so
+    assert compat.keras_variable_of(lambda: 1) is None
+    compat.check_keras_variable_of()
+
+
+def test_keras_variable_of_check(monkeypatch):
+    monkeypatch.setattr(compat, "_CHECKED", set())
+    monkeypatch.setattr(keras_tf_core.Variable, "_initialize_with_initializer",
+                        lambda self, init: self._initialize(tf.zeros(self._shape, self._dtype)))
+    with pytest.raises(compat.UpstreamChanged, match="no longer closes over") as raised:
+        compat.check_keras_variable_of()
+    assert_one_line_change(raised, "_initialize_with_initializer")
+
+
+def test_adam_slots_and_variable_index():
+    a, b = keras.Variable(np.zeros([2], np.float32), name="a"), \
+        keras.Variable(np.zeros([3], np.float32), name="b")
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([a, b])
+    momentums, velocities = compat.adam_slots(optimizer)
+    index = compat.variable_index(optimizer, b)
+    assert index == 1 and momentums[index].shape == (3,) and velocities[index].shape == (3,)
+    # These are the slots Keras's own update_step moves.
+    optimizer.apply([tf.zeros([2]), tf.ones([3])], [a, b])
+    assert np.all(momentums[1].numpy() > 0) and np.all(velocities[1].numpy() > 0)
+    assert np.all(momentums[0].numpy() == 0)
+
+
+def test_adam_slots_and_variable_index_check():
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.variable_index(types.SimpleNamespace(), None)
+    assert_one_line_change(raised, "_get_variable_index")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.adam_slots(types.SimpleNamespace(_momentums=[]))
+    assert_one_line_change(raised, "_velocities")
+
+
+# -- losses and metrics ------------------------------------------------------------
+
+def test_keras_mask():
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(tf.constant([[0, 3, 0]]))
+    np.testing.assert_array_equal(compat.keras_mask(embedded), [[False, True, False]])
+    assert compat.keras_mask(tf.ones([2])) is None
+
+
+def test_align_ranks():
+    y, p = compat.align_ranks(tf.ones([4]), tf.ones([4, 1]))
+    assert y.shape.rank == p.shape.rank
+    assert keras.losses.mean_squared_error(y, p).shape == (4,)   # not (4, 4)
+
+
+def test_keras_metric():
+    sparse = compat.keras_metric("accuracy", tf.TensorSpec([None]), tf.TensorSpec([None, 5]))
+    binary = compat.keras_metric("accuracy", tf.TensorSpec([None, 1]), tf.TensorSpec([None, 1]))
+    assert isinstance(sparse, keras.metrics.SparseCategoricalAccuracy)
+    assert isinstance(binary, keras.metrics.BinaryAccuracy)
+
+
+@pytest.mark.parametrize("function,module,name", [
+    (lambda: compat.keras_mask(tf.ones([1])), "keras.src.backend.common.masking",
+     "get_keras_mask"),
+    (lambda: compat.align_ranks(tf.ones([1]), tf.ones([1])), "keras.src.losses.loss",
+     "squeeze_or_expand_to_same_rank"),
+    (lambda: compat.keras_metric("mae", None, None), "keras.src.trainers.compile_utils",
+     "get_metric"),
+    (lambda: compat.update_checkpoint_state("/nonexistent", "/nonexistent/x", all_paths=[]),
+     "tensorflow.python.checkpoint.checkpoint_management", "update_checkpoint_state_internal"),
+])
+def test_private_functions_check(monkeypatch, function, module, name):
+    import importlib
+    monkeypatch.delattr(importlib.import_module(module), name)
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        function()
+    assert_one_line_change(raised, name)
+
+
+def test_compiled_config():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    assert compat.compiled_config(model) is None
+    loss = keras.losses.MeanSquaredError()
+    model.compile(loss=loss, metrics=["mae"])
+    config = compat.compiled_config(model)
+    assert config["loss"] is loss and config["metrics"] == ["mae"]
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.compiled_config(types.SimpleNamespace(compiled=True))
+    assert_one_line_change(raised, "_compile_config")
+
+
+def test_build_metric():
+    from tfdist.training.task import Task
+    f1 = keras.metrics.F1Score()
+    assert f1.variables == []   # Keras builds it only inside update_state
+    compat.build_metric(f1, tf.TensorShape([None, 3]), tf.TensorShape([None, 3]))
+    assert len(f1.variables) == 4
+    auc = keras.metrics.AUC(multi_label=True)   # its _build takes one shape
+    compat.build_metric(auc, tf.TensorShape([None, 3]), tf.TensorShape([None, 3]))
+    assert auc.variables and auc.variables[0].shape[-1] == 3
+    # A task with F1Score and R2Score builds and measures (it did not, before).
+    task = Task(keras.losses.CategoricalCrossentropy(),
+                [keras.metrics.F1Score(average="micro"), keras.metrics.R2Score()])
+    spec = tf.TensorSpec([None, 3])
+    task.build(spec, spec, tf.TensorSpec([None]), global_batch_size=4)
+    assert all(layout.shapes for layout in task._layouts)   # state variables exist
+
+
+def test_build_metric_check():
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.build_metric(types.SimpleNamespace(_built=False), None, None)
+    assert_one_line_change(raised, "_build")
+    lazy = types.SimpleNamespace(_built=False, _build=lambda y, p: None)
+    with pytest.raises(compat.UpstreamChanged, match="did not set _built") as raised:
+        compat.build_metric(lazy, None, None)
+    assert_one_line_change(raised, "_build")
+
+
+# -- checkpoints, graphs ----------------------------------------------------------
+
+def test_update_checkpoint_state(tmp_path):
+    directory = str(tmp_path)
+    paths = [os.path.join(directory, f"ckpt-{i}") for i in (1, 2)]
+    compat.update_checkpoint_state(directory, paths[1], all_paths=paths)
+    text = (tmp_path / "checkpoint").read_text()
+    assert 'model_checkpoint_path: "ckpt-2"' in text and directory not in text   # relative
+    state = tf.train.get_checkpoint_state(directory)
+    assert state.model_checkpoint_path == paths[1]
+    assert list(state.all_model_checkpoint_paths) == paths
+
+
+def test_graph_function():
+    @tf.function
+    def inner(x):
+        return tf.matmul(x, x)
+
+    @tf.function
+    def outer(x):
+        return inner(x) + 1
+
+    graph = outer.get_concrete_function(tf.TensorSpec([2, 2])).graph
+    called = [op.type for op in graph.get_operations()
+              if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+    assert called
+    name = next(op for op in graph.get_operations()
+                if op.type in ("PartitionedCall", "StatefulPartitionedCall")).get_attr("f").name
+    function = compat.graph_function(graph, name)
+    assert "MatMul" in [op.type for op in function.graph.get_operations()]
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.graph_function(types.SimpleNamespace(), name)
+    assert_one_line_change(raised, "_get_function")
+
+
+# -- compat itself --------------------------------------------------------------------
+
+def test_compat_imports_no_tensorflow():
+    import subprocess
+    import sys
+    code = ("import sys, tfdist.compat; "
+            "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_first_line():
+    assert first_line(ValueError("\n  bad value\nmore")) == "bad value"
+    assert first_line(ValueError("Traceback (most recent)\nFile x\nwhy")) == "why"
+    assert first_line(ValueError("")) == "ValueError"
+    assert first_line(ValueError("x" * 400)) == "x" * 300
+    assert first_line(tf.errors.UnknownError(None, None, "from message\nline 2")) == \
+        "from message"

@@ -1,0 +1,496 @@
+"""Every private Keras, TensorFlow and Horovod name tfdist reads or replaces.
+
+Keras 3 and TensorFlow 2.21 leave a few holes that tfdist can only fill by
+reading or replacing an upstream name that is not public (BUILD_NOTES.md,
+"Upstream patches"). Each such use lives here, in one small function whose
+docstring says what it touches, why (the upstream bug and where BUILD_NOTES
+reproduces it) and the versions it was verified on. Each checks, before it
+relies on the name, that the name is there and is still used the way the
+workaround assumes (e.g. that the Keras method tfdist replaces is still the one
+Keras calls), and raises `UpstreamChanged` -- one line naming the attribute and
+the versions -- when it is not: a patch never becomes a silent no-op.
+`tests/test_compat.py` has a test per entry that fails if the patch stops
+taking effect.
+
+Importing this module is cheap (no TensorFlow, no Keras): `tfdist.app` imports
+modules that import it before flags are parsed. TensorFlow and Keras are
+imported inside the functions, which only run once they are loaded anyway.
+
+Outside this module, tfdist code reads no `tensorflow.python`, `keras.src` or
+`tf.__internal__` name and no underscore attribute of an upstream object.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+VERIFIED = "tensorflow 2.21.0, keras 3.15.1"
+
+
+class UpstreamChanged(RuntimeError):
+    """A private upstream name tfdist relies on is missing or behaves differently."""
+
+
+def _installed() -> str:
+    found = [f"{name} {getattr(sys.modules.get(name), '__version__', '?')}"
+             for name in ("tensorflow", "keras") if name in sys.modules]
+    return ", ".join(found) or "unknown"
+
+
+def _changed(what: str, how: str = "is missing", verified: str = VERIFIED) -> UpstreamChanged:
+    return UpstreamChanged(f"{what} {how}: tfdist's workaround was verified on {verified} "
+                           f"(installed: {_installed()}); see tfdist/compat.py")
+
+
+def _require(owner, name: str, what: str):
+    """`owner.name`, or `UpstreamChanged` naming `what`."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise _changed(what) from None
+
+
+def _code_reads(function, name: str) -> bool:
+    """Whether `function`'s code (or a function nested in it) reads attribute `name`."""
+    code = getattr(function, "__code__", None)
+    pending = [code] if code is not None else []
+    while pending:
+        code = pending.pop()
+        if name in code.co_names:
+            return True
+        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return False
+
+
+def _require_called(cls, method: str, name: str, what: str) -> None:
+    """`UpstreamChanged` unless `cls.method` still reads `name` (else replacing
+    or setting `name` would change nothing)."""
+    function = getattr(cls, method, None)
+    if function is None or not _code_reads(function, name):
+        raise _changed(what, f"is no longer used by {cls.__name__}.{method}")
+
+
+# -- optimizers: the reduction tfdist does itself ---------------------------------
+
+def disable_optimizer_all_reduce(optimizer):
+    """Stop `optimizer.apply` from summing gradients across replicas itself.
+
+    What: sets, on this optimizer instance only, Keras's private
+    `Optimizer._all_reduce_sum_gradients` (TF backend) to the identity.
+    Why: Keras 3's TF optimizer all-reduces gradients inside `apply` whenever
+    it runs in a tf.distribute replica context. tfdist reduces once per update
+    through the strategy adapter (one path for accumulation, compression and
+    Horovod); a second sum would multiply the gradients by the number of
+    replicas (BUILD_NOTES "Upstream facts": `_all_reduce_sum_gradients`).
+    Verified: tensorflow 2.21.0, keras 3.15.1. Check: the method exists and
+    `_backend_update_step` still calls it.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    what = "keras Optimizer._all_reduce_sum_gradients"
+    _require(inner, "_all_reduce_sum_gradients", what)
+    _require_called(type(inner), "_backend_update_step", "_all_reduce_sum_gradients", what)
+    inner._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+    return optimizer
+
+
+def strategy_supports_no_merge_call() -> bool:
+    """Whether the current tf.distribute strategy can update without `merge_call`.
+
+    What: `tf.__internal__.distribute.strategy_supports_no_merge_call()`.
+    Why: the trainer's conditional update (`_apply_if`) must not call
+    `merge_call` inside a `tf.cond` ("`merge_call` called while defining a new
+    graph", BUILD_NOTES "Collectives inside tf.cond"); TF has no public way to
+    ask a strategy whether it needs one. Verified: tensorflow 2.21.0.
+    Check: the function exists and returns a bool.
+    """
+    import tensorflow as tf
+    what = "tf.__internal__.distribute.strategy_supports_no_merge_call"
+    function = _require(_require(tf.__internal__, "distribute", what),
+                        "strategy_supports_no_merge_call", what)
+    answer = function()
+    if not isinstance(answer, bool):
+        raise _changed(what, f"returned {type(answer).__name__}, not a bool")
+    return answer
+
+
+# -- parameter servers (BUILD_NOTES "ParameterServerStrategy with Keras 3") ----
+
+def sharded_variable_type() -> type:
+    """`tf.__internal__.distribute.ShardedVariable`: what a partitioned variable is.
+
+    Why: ParameterServerStrategy with a `variable_partitioner` creates them and
+    Keras 3 breaks on them in four places; TF exports the class only under
+    `tf.__internal__`. Verified: tensorflow 2.21.0. Check: it exists and is a class.
+    """
+    import tensorflow as tf
+    what = "tf.__internal__.distribute.ShardedVariable"
+    cls = _require(_require(tf.__internal__, "distribute", what), "ShardedVariable", what)
+    if not isinstance(cls, type):
+        raise _changed(what, "is not a class")
+    return cls
+
+
+def is_sharded(value) -> bool:
+    """Whether `value` is a ShardedVariable (a partitioned tf.Variable)."""
+    return isinstance(value, sharded_variable_type())
+
+
+def optimizer_updates_sharded_variables(optimizer) -> None:
+    """Let a Keras 3 optimizer update ShardedVariables (BUILD_NOTES PS item 3).
+
+    What: replaces, on this optimizer instance only, Keras's private
+    `_distributed_tf_update_step` and `_apply_weight_decay` (and reads
+    `_use_weight_decay`). Why: Keras's TF update goes through
+    `distribution.extended.update(var, ...)`, which cannot colocate with a
+    ShardedVariable ("ShardedVariable doesn't support being used as a
+    reference", item 3 of the BUILD_NOTES script); AdamW's decay too. Those
+    variables' update ops run where the step runs (their assignments write
+    each shard where it lives); other variables keep Keras's path.
+    Verified: tensorflow 2.21.0, keras 3.15.1. Check: the three methods
+    exist and `_backend_update_step` / `_backend_apply_gradients` still call
+    the two replaced.
+    """
+    import tensorflow as tf
+    sharded = sharded_variable_type()
+    base = "keras Optimizer."
+    update_step = _require(optimizer, "_distributed_tf_update_step",
+                           base + "_distributed_tf_update_step")
+    apply_weight_decay = _require(optimizer, "_apply_weight_decay", base + "_apply_weight_decay")
+    use_weight_decay = _require(optimizer, "_use_weight_decay", base + "_use_weight_decay")
+    _require_called(type(optimizer), "_backend_update_step", "_distributed_tf_update_step",
+                    base + "_distributed_tf_update_step")
+    _require_called(type(optimizer), "_backend_apply_gradients", "_apply_weight_decay",
+                    base + "_apply_weight_decay")
+
+    def value_of(variable):
+        return getattr(variable, "value", variable) if hasattr(variable, "path") else variable
+
+    def distributed_update(distribution, grads_and_vars, learning_rate):
+        plain = []
+        for grad, variable in grads_and_vars:
+            if isinstance(variable, sharded):
+                optimizer.update_step(grad, variable, learning_rate)
+            else:
+                plain.append((grad, variable))
+        update_step(distribution, plain, learning_rate)
+
+    def weight_decay(variables):
+        if optimizer.weight_decay is None:
+            return
+        for variable in variables:
+            if isinstance(value_of(variable), sharded) and use_weight_decay(variable):
+                lr = tf.cast(optimizer.learning_rate, variable.dtype)
+                decay = tf.cast(optimizer.weight_decay, variable.dtype)
+                value_of(variable).assign_sub(tf.convert_to_tensor(variable) * decay * lr)
+        apply_weight_decay([v for v in variables if not isinstance(value_of(v), sharded)])
+
+    optimizer._distributed_tf_update_step = distributed_update
+    optimizer._apply_weight_decay = weight_decay
+
+
+_CHECKED = set()   # behaviour checks that passed in this process
+
+
+def _check_keras_delegates_checkpointing() -> None:
+    """Keras's TF `Variable._serialize_to_tensors` / `_restore_from_tensors`
+    must hand over to its value's methods (probed on a stand-in value)."""
+    if "keras-delegates-checkpointing" in _CHECKED:
+        return
+    from keras.src.backend.tensorflow import core
+    what = "keras.src.backend.tensorflow.core.Variable._serialize_to_tensors"
+    serialize = _require(core.Variable, "_serialize_to_tensors", what)
+    restore = _require(core.Variable, "_restore_from_tensors",
+                       "keras.src.backend.tensorflow.core.Variable._restore_from_tensors")
+    saved, restored = {"VARIABLE_VALUE": "saved"}, []
+
+    class Value:
+        def _serialize_to_tensors(self):
+            return saved
+
+        def _restore_from_tensors(self, tensors):
+            restored.append(tensors)
+            return "restored"
+
+    probe = types.SimpleNamespace(value=Value())
+    try:
+        ok = serialize(probe) is saved and restore(probe, saved) == "restored" and \
+            restored == [saved]
+    except Exception:  # noqa: BLE001  (any other behaviour is a change)
+        ok = False
+    if not ok:
+        raise _changed(what, "no longer delegates to its value's _serialize_to_tensors/"
+                             "_restore_from_tensors")
+    _CHECKED.add("keras-delegates-checkpointing")
+
+
+def checkpoint_sharded_whole(variable):
+    """Make one ShardedVariable checkpoint as one whole tensor (BUILD_NOTES PS item 4).
+
+    What: gives this ShardedVariable *instance* `_serialize_to_tensors` and
+    `_restore_from_tensors` (TF's checkpointing honours instance-level ones).
+    Why: a Keras 3 variable's `_serialize_to_tensors` asks its value to
+    serialize itself and, when it cannot (a ShardedVariable cannot), falls
+    back to `{"VARIABLE_VALUE": self.value}`, for which the saver asks the
+    ShardedVariable for a `.device` it does not have ("AttributeError
+    'ShardedVariable' object has no attribute 'device'", item 4 of the
+    BUILD_NOTES script). Serialized whole (read from its shards) and restored
+    by assignment (which splits it again), the checkpoint has the same entry a
+    plain variable has, so it restores under every engine and shard count.
+    Scope: only the ShardedVariables the parameter_server engine creates (its
+    variable creator calls this); no class is changed, so nothing else in the
+    process checkpoints differently, and a Keras variable keeps the behaviour
+    as long as it lives (also after the run). Verified: tensorflow 2.21.0,
+    keras 3.15.1. Check: Keras's variable still delegates to its value.
+    """
+    import tensorflow as tf
+    _check_keras_delegates_checkpointing()
+    if not is_sharded(variable):
+        raise TypeError(f"checkpoint_sharded_whole needs a ShardedVariable, got "
+                        f"{type(variable).__name__}")
+
+    def serialize():
+        return {"VARIABLE_VALUE": tf.convert_to_tensor(variable)}
+
+    def restore(restored_tensors):
+        return variable.assign(restored_tensors["VARIABLE_VALUE"])
+
+    variable._serialize_to_tensors = serialize
+    variable._restore_from_tensors = restore
+    return variable
+
+
+# -- DTensor (BUILD_NOTES "DTensor with Keras 3") ------------------------------
+
+def dtensor_dataset_one_client_per_replica(dataset):
+    """Make a single-process `DTensorDataset` feed each replica its own rows.
+
+    What: sets the private `DTensorDataset._num_clients_per_replica = 1` and
+    `_partition_offset = 0` on this instance. Why: DTensor 2.21 counts a
+    replica's devices from every device of the mesh's type in the process, not
+    from the mesh; with more devices than the mesh uses it takes each replica
+    to span 2 clients, repeats every batch and feeds every local replica the
+    same examples (BUILD_NOTES "DTensorDataset counts a replica's devices",
+    with the 4-CPU / 2-device-mesh reproduction). In one process no replica
+    spans clients. Verified: tensorflow 2.21.0. Check: both attributes exist
+    as ints and `__iter__` / `_partition` still read them.
+    """
+    readers = {"_num_clients_per_replica": "__iter__", "_partition_offset": "_partition"}
+    for name in readers:
+        what = f"tensorflow DTensorDataset.{name}"
+        if not isinstance(_require(dataset, name, what), int):
+            raise _changed(what, "is not an int")
+    for name, reader in readers.items():
+        _require_called(type(dataset), reader, name, f"tensorflow DTensorDataset.{name}")
+    dataset._num_clients_per_replica = 1
+    dataset._partition_offset = 0
+    return dataset
+
+
+def keras_variable_of(initial_value):
+    """The Keras `Variable` whose deferred initial value `initial_value` is, or None.
+
+    What: reads the closure of the callable Keras hands `tf.Variable` (Keras's
+    TF `Variable._initialize_with_initializer` passes `lambda:
+    initializer(self._shape, ...)`, closing over the Keras variable). Why:
+    Keras creates the `tf.Variable` after its name scopes have closed, so a
+    variable creator cannot learn a nested layer's path from
+    `tf.get_current_name_scope()` (BUILD_NOTES "DTensor": `block0/kernel` for
+    `block0/attn/query/kernel`); the DTensor engine needs the path for its
+    layout rules. Verified: keras 3.15.1. Check: `check_keras_variable_of`.
+    """
+    import keras
+    for cell in getattr(initial_value, "__closure__", None) or ():
+        try:
+            owner = cell.cell_contents
+        except ValueError:   # an empty cell
+            continue
+        if isinstance(owner, keras.Variable):
+            return owner
+    return None
+
+
+def check_keras_variable_of() -> None:
+    """`UpstreamChanged` unless a variable creator still finds the Keras
+    variable being created through `keras_variable_of` (probed once on a
+    1-element variable outside any engine)."""
+    if "keras-variable-of" in _CHECKED:
+        return
+    import keras
+    import tensorflow as tf
+    found = []
+
+    def creator(next_creator, **kwargs):
+        found.append(keras_variable_of(kwargs.get("initial_value")))
+        return next_creator(**kwargs)
+
+    with tf.init_scope(), tf.variable_creator_scope(creator):
+        variable = keras.Variable(initializer="zeros", shape=(1,), name="tfdist_probe")
+    if len(found) != 1 or found[0] is not variable:
+        raise _changed("keras Variable._initialize_with_initializer's initial value",
+                       "no longer closes over the keras Variable")
+    _CHECKED.add("keras-variable-of")
+
+
+def variable_index(optimizer, variable) -> int:
+    """The optimizer's index of `variable` (its slots' position).
+
+    What: Keras's private `Optimizer._get_variable_index`. Why: tfdist's DTensor
+    update steps (`dtensor_updates`) replace Keras's `update_step`, which must
+    never read a slot back after assigning it under DTensor (BUILD_NOTES
+    "DTensor": loss 1.14 -> 132, weights not moving), and must find the slots
+    exactly as Keras does. Verified: keras 3.15.1. Check: the method exists.
+    """
+    return _require(optimizer, "_get_variable_index",
+                    "keras Optimizer._get_variable_index")(variable)
+
+
+def adam_slots(optimizer) -> tuple:
+    """(first moments, second moments) of a Keras Adam/AdamW, by variable index.
+
+    What: Keras's private `Adam._momentums` and `Adam._velocities` (SGD's
+    `momentums` is public). Why and verified: as `variable_index`. Check: both
+    exist as lists and `Adam.update_step` still reads them.
+    """
+    names = ("_momentums", "_velocities")
+    found = tuple(_require(optimizer, name, f"keras Adam.{name}") for name in names)
+    for name, slots in zip(names, found):
+        if not isinstance(slots, list):
+            raise _changed(f"keras Adam.{name}", "is not a list")
+        _require_called(type(optimizer), "update_step", name, f"keras Adam.{name}")
+    return found
+
+
+# -- losses and metrics (BUILD_NOTES "Users' losses, metrics, data and export") --
+
+def keras_mask(tensor):
+    """The Keras mask attached to `tensor` (e.g. by an `Embedding(mask_zero=True)`), or None.
+
+    What: `keras.src.backend.common.masking.get_keras_mask` (Keras 3 has no
+    public getter; the mask is the private `_keras_mask` attribute, or an entry
+    in Keras's side table for tensors that take no attributes). Why: Keras
+    averages a masked loss over the valid positions only; tfdist must too.
+    Verified: keras 3.15.1. Check: the function imports.
+    """
+    what = "keras.src.backend.common.masking.get_keras_mask"
+    try:
+        from keras.src.backend.common.masking import get_keras_mask
+    except ImportError:
+        raise _changed(what) from None
+    return get_keras_mask(tensor)
+
+
+def align_ranks(y_true, y_pred):
+    """`y_true`, `y_pred` brought to the same rank, as `keras.losses.Loss` does.
+
+    What: `keras.src.losses.loss.squeeze_or_expand_to_same_rank`. Why: a Keras
+    loss *function* (e.g. "mse") given (B,) targets and (B, 1) outputs would
+    broadcast to (B, B) without it; a `Loss` object does it inside `__call__`,
+    which tfdist cannot use (it needs unreduced values). Verified: keras 3.15.1.
+    Check: the function imports.
+    """
+    what = "keras.src.losses.loss.squeeze_or_expand_to_same_rank"
+    try:
+        from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+    except ImportError:
+        raise _changed(what) from None
+    return squeeze_or_expand_to_same_rank(y_true, y_pred)
+
+
+def keras_metric(identifier, y_true, y_pred):
+    """The metric object `fit` would make of `identifier` for these targets/predictions.
+
+    What: `keras.src.trainers.compile_utils.get_metric`. Why: it resolves
+    "accuracy" to binary / sparse / categorical accuracy by the shapes, as
+    `fit` does; Keras has no public equivalent. Verified: keras 3.15.1.
+    Check: the function imports.
+    """
+    what = "keras.src.trainers.compile_utils.get_metric"
+    try:
+        from keras.src.trainers.compile_utils import get_metric
+    except ImportError:
+        raise _changed(what) from None
+    return get_metric(identifier, y_true, y_pred)
+
+
+def compiled_config(model):
+    """What `model.compile(...)` was given (a dict with loss, metrics, ...), or None.
+
+    What: the private `Model._compile_config.config`. Why: Keras 3 has no
+    public getter of the un-serialized loss and metric objects a user compiled
+    with, and tfdist trains a compiled model with them. Verified: keras 3.15.1.
+    Check: a compiled model (public `model.compiled`) has it, with a dict.
+    """
+    compiled = getattr(model, "compiled", False)
+    holder = getattr(model, "_compile_config", None)
+    if holder is None:
+        if compiled:
+            raise _changed("keras Model._compile_config", "is missing on a compiled model")
+        return None
+    config = getattr(holder, "config", None)
+    if not isinstance(config, dict):
+        raise _changed("keras Model._compile_config.config", "is not a dict")
+    return config
+
+
+def build_metric(metric, y_shape, pred_shape) -> None:
+    """Create the state variables of a metric that sizes them from the data.
+
+    What: calls the private `_build` of a metric whose private `_built` is
+    False (F1Score, FBetaScore, R2Score take (y_true_shape, y_pred_shape);
+    AUC with `multi_label` takes the predictions' shape). Why: tfdist uses
+    metrics statelessly and needs their variables before the first batch;
+    Keras builds these only inside `update_state`, which tfdist never calls.
+    Verified: keras 3.15.1. Check: a metric with `_built == False` has a
+    `_build` that leaves `_built` True.
+    """
+    import inspect
+    if getattr(metric, "_built", True):
+        return
+    name = type(metric).__name__
+    build = _require(metric, "_build", f"keras {name}._build")
+    if len(inspect.signature(build).parameters) == 1:
+        build(pred_shape)
+    else:
+        build(y_shape, pred_shape)
+    if not metric._built:
+        raise _changed(f"keras {name}._build", "did not set _built")
+
+
+# -- checkpoints, graphs -------------------------------------------------------
+
+def update_checkpoint_state(directory: str, path: str, *, all_paths) -> None:
+    """Write `directory`'s `checkpoint` index: latest `path`, kept `all_paths`, relative.
+
+    What: `tensorflow.python.checkpoint.checkpoint_management.
+    update_checkpoint_state_internal` (what `tf.train.CheckpointManager` calls).
+    Why: the public `tf.compat.v1.train.update_checkpoint_state` prints a
+    three-line deprecation warning into every run's log, and tfdist writes
+    the index itself, last, after verifying the checkpoint (BUILD_NOTES
+    "Faults"). Paths are relative: the directory may move. Verified:
+    tensorflow 2.21.0. Check: the function imports and takes `save_relative_paths`.
+    """
+    import inspect
+    what = ("tensorflow.python.checkpoint.checkpoint_management."
+            "update_checkpoint_state_internal")
+    try:
+        from tensorflow.python.checkpoint import checkpoint_management
+    except ImportError:
+        raise _changed(what) from None
+    update = _require(checkpoint_management, "update_checkpoint_state_internal", what)
+    if "save_relative_paths" not in inspect.signature(update).parameters:
+        raise _changed(what, "takes no save_relative_paths")
+    update(directory, path, all_model_checkpoint_paths=list(all_paths),
+           save_relative_paths=True)
+
+
+def graph_function(graph, name: str):
+    """The traced function `name` of `graph`'s library (with its FuncGraph), or None.
+
+    What: the private `tf.Graph._get_function`. Why: counting a model's FLOPs
+    (`tfdist/observe/flops.py`) walks into the functions a graph calls, with
+    their static shapes; rebuilding them from `as_graph_def().library` would
+    need private imports too. Verified: tensorflow 2.21.0. Check: the method
+    exists.
+    """
+    return _require(graph, "_get_function", "tensorflow Graph._get_function")(name)
