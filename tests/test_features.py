@@ -9,6 +9,7 @@ import tensorflow as tf
 from tfdist import models, strategies
 from tfdist.data.function_inputs import FunctionInputs
 from tfdist.training import optimizers
+from tfdist.training.task import task_for
 from tfdist.training.trainer import Trainer
 
 import tfdist
@@ -85,8 +86,9 @@ def _reductions_in_one_step(config):
         model = models.build(config.model, IMAGE_SPEC)
         optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
         optimizer.build(model.trainable_variables)
+    task = task_for(config, model, FunctionInputs(image_dataset_fn, IMAGE_SPEC))[0]
     trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
-                      inputs=FunctionInputs(image_dataset_fn, IMAGE_SPEC), total_steps=5)
+                      task=task)
     per_replica = config.train.global_batch_size // adapter.num_replicas
     batch = (tf.zeros((per_replica, 8, 8, 3)), tf.zeros((per_replica,), tf.int32),
              tf.ones((per_replica,)))

@@ -147,7 +147,8 @@ def test_bad_cluster_specs_exit_2_in_one_line():
         errors = [l for l in result.stderr.splitlines() if "error:" in l]
         assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert results[-1].returncode == 2
-    assert "--ps_hosts and --task_type are for --strategy=parameter_server" in results[-1].stderr
+    assert "--ps_hosts and --task_type name server tasks, which --strategy=multi_worker " \
+        "does not have" in results[-1].stderr
 
 
 # -- clusters -------------------------------------------------------------------

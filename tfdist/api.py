@@ -31,6 +31,8 @@ from tfdist.observe import flops, hardware, logs, peak
 from tfdist.training import optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
+from tfdist.strategies.capabilities import ServingProcesses, TensorSharding, capability
+from tfdist.training.controller import Controller
 from tfdist.training.trainer import Trainer, total_steps
 
 
@@ -153,9 +155,10 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
     return lines
 
 
-def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[str]:
+def _run_description(config, strategy, model, spec, controller, peak_lr) -> list[str]:
     """The derived quantities a user should see before the first step."""
     tc, oc = config.train, config.optimizer
+    trainer = controller.trainer
     per_replica = tc.global_batch_size // strategy.num_replicas
     micro = f", {tc.accum_steps} micro-batches of {per_replica // tc.accum_steps}" \
         if tc.accum_steps > 1 else ""
@@ -165,19 +168,19 @@ def _run_description(config, strategy, model, spec, trainer, peak_lr) -> list[st
         strategy.describe(),
         f"model {model.name}: {model.count_params():,} parameters, precision {tc.precision}",
         f"dataset {spec.name}: global batch {tc.global_batch_size} = {strategy.num_replicas} "
-        f"replica(s) x {per_replica}{micro}; {trainer.total_steps} steps",
+        f"replica(s) x {per_replica}{micro}; {controller.total_steps} steps",
         f"learning rate: peak {peak_lr:g} ({oc.lr_scaling} scaling of {oc.learning_rate:g} "
         f"from batch {oc.base_batch_size}), {oc.warmup_steps} warm-up steps, {oc.lr_decay}",
         trainer.task.describe(),
         xla.describe(tc.jit_compile, trainer.jit_level),
     ]
-    if trainer.flops_per_example:
+    if controller.flops_per_example:
         peak_text = (f"; this host's matmul peak for {tc.precision} "
-                     f"{trainer.peak_tflops:.3f} TFLOP/s (tfdist-peak)"
-                     if trainer.peak_tflops else "")
-        lines.append(f"training FLOPs per example: {trainer.flops_per_example / 1e6:.1f} M "
+                     f"{controller.peak_tflops:.3f} TFLOP/s (tfdist-peak)"
+                     if controller.peak_tflops else "")
+        lines.append(f"training FLOPs per example: {controller.flops_per_example / 1e6:.1f} M "
                      f"(matmuls and convolutions, 3x forward){peak_text}")
-    if strategy.replica_copies > 1:  # an explicit gradient all-reduce (not DTensor's SPMD)
+    if strategy.step_copies > 1:  # an explicit gradient all-reduce (not DTensor's SPMD)
         lines.insert(4, f"gradients reduced per update: {trainer.bytes_per_update / 1e6:.2f} MB "
                         f"({wire})")
     return lines
@@ -214,7 +217,8 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
         config = config.replace(train=config.train.replace(export_dir=export_dir))
     strategy = strategies.create(config.strategy)
     strategy.setup()
-    if strategy.serve():   # e.g. a parameter server: it served the job, which is over
+    servers = capability(strategy, ServingProcesses)
+    if servers and servers.serve_if_server():   # e.g. a parameter server: the job is over
         return RunResult(summary={}, model=None, optimizer=None, is_chief=False,
                          strategy=strategy)
     logs.configure(strategy, log_all_ranks=config.train.log_all_ranks)
@@ -235,7 +239,9 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     """Model and optimizer, built in the engine's scope under the precision policy."""
     if layout_rules is None and model_fn is None:
         layout_rules = models.layout_rules(config.model)
-    strategy.set_layout_rules(sharding.LayoutRules(layout_rules or ()))
+    sharded = capability(strategy, TensorSharding)
+    if sharded:
+        sharded.set_layout_rules(sharding.LayoutRules(layout_rules or ()))
     precision = Precision(config.train.precision,
                           loss_scale_growth_steps=config.train.loss_scale_growth_steps)
     keras.utils.set_random_seed(config.train.seed)
@@ -252,7 +258,7 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))
         optimizer.build(model.trainable_variables)
-    strategy.prepare_optimizer(optimizer, model.trainable_variables)
+    strategy.on_optimizer_built(optimizer, model.trainable_variables)
     return model, optimizer
 
 
@@ -289,7 +295,7 @@ def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=
     bytes on `config.strategy.mesh` (with its optimizer slots), and the totals."""
     strategies.check_name(config.strategy.name)
     strategy = strategies.create(config.strategy)
-    if not strategy.shards_tensors:
+    if not isinstance(strategy, TensorSharding):
         raise UsageError(f"--print_layouts describes tensor sharding; --strategy="
                          f"{config.strategy.name} does not shard tensors (use dtensor)")
     strategy.setup()
@@ -327,12 +333,6 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         export_lib.write_run_record(tc.model_dir, config, inputs.spec,
                                     builder=model_fn is None)
 
-    checkpointer_factory = None
-    if tc.model_dir:
-        def checkpointer_factory(**trackables):
-            return Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
-                                is_chief=strategy.is_chief, **trackables)
-
     by_op = flops.try_forward_flops_by_op(model) or {}
     flops_per_example = flops.TRAINING_PASSES * sum(by_op.values()) or None
     convolution_share = flops.convolution_share(by_op)
@@ -341,19 +341,25 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     peak_tflops = peak.precision_peak_tflops(tc.precision, measure=strategy.is_chief) \
         if flops_per_example else None
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,
-                      inputs=inputs, total_steps=steps, checkpointer_factory=checkpointer_factory,
-                      jit_level=jit_level, flops_per_example=flops_per_example,
-                      peak_tflops=peak_tflops, task=task)
+                      task=task, jit_level=jit_level)
+    checkpointer = None
+    if tc.model_dir:
+        checkpointer = Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
+                                    is_chief=strategy.is_chief, model=model,
+                                    optimizer=optimizer, step=trainer.step)
+    controller = Controller(config=config, trainer=trainer, inputs=inputs, total_steps=steps,
+                            checkpointer=checkpointer, flops_per_example=flops_per_example,
+                            peak_tflops=peak_tflops)
     peak_lr = optimizers.peak_learning_rate(config.optimizer, tc.global_batch_size)
-    for line in _run_description(config, strategy, model, inputs.spec, trainer, peak_lr):
+    for line in _run_description(config, strategy, model, inputs.spec, controller, peak_lr):
         logging.info(line)
     if strategy.is_chief:   # one line per run, not one per worker
         for line in slow_choice_warnings(config, jit_level, strategy, convolution_share):
             logging.warning(line)
     try:
-        metrics = trainer.fit()
+        metrics = controller.fit()
     except tf.errors.ResourceExhaustedError as error:
-        raise WorkerFault(out_of_memory(config, strategy, trainer.loop_start, error)) from None
+        raise WorkerFault(out_of_memory(config, strategy, controller.loop_start, error)) from None
     except tf.errors.OpError as error:
         raise WorkerFault(strategy.describe_fault(error)) from error
     summary = {
@@ -375,9 +381,9 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         "flops_per_example": flops_per_example,
         "jit_compile": trainer.jit_level,
         "grad_norm": metrics.get("grad_norm"),
-        "nonfinite_steps": trainer.nonfinite_steps,   # --on_nonfinite=skip/rollback
-        "rollbacks": trainer.rollbacks,
-        **trainer.grad_agreement,
+        "nonfinite_steps": controller.nonfinite.skipped,   # --on_nonfinite=skip/rollback
+        "rollbacks": controller.nonfinite.rollbacks,
+        **controller.grad_agreement,
         "precision": tc.precision,
         "learning_rate": peak_lr,
         "final_learning_rate": optimizers.current_learning_rate(optimizer),

@@ -301,14 +301,6 @@ def _one_length(values) -> bool:
     return values["train_steps"] is None or values["epochs"] is None
 
 
-@flags.multi_flags_validator(
-    ["ps_hosts", "task_type", "strategy"],
-    message="--ps_hosts and --task_type are for --strategy=parameter_server")
-def _parameter_server_only(values) -> bool:
-    return values["strategy"] == "parameter_server" or (
-        not values["ps_hosts"] and values["task_type"] == "worker")
-
-
 def _profile_steps() -> tuple:
     try:
         return tuple(int(step) for step in _PROFILE_STEPS.value)

@@ -17,6 +17,15 @@ class Registry:
     def __init__(self, flag: str, kind: str, entries: dict[str, str]):
         self.flag, self.kind, self._entries = flag, kind, dict(entries)
 
+    def register(self, name: str, entry) -> None:
+        """Add `name`: a "package.module[:Attribute]" string (imported when
+        chosen) or the object itself (e.g. an adapter class defined in a
+        user's own module). Refuses to replace an existing entry."""
+        if name in self._entries:
+            raise UsageError(f"{self.flag}={name!r} is already registered "
+                             f"({self._entries[name]})")
+        self._entries[name] = entry
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 
@@ -28,6 +37,9 @@ class Registry:
     def load(self, name: str):
         """The module (or the attribute of it) registered as `name`."""
         self.check(name)
-        module_name, _, attribute = self._entries[name].partition(":")
+        entry = self._entries[name]
+        if not isinstance(entry, str):
+            return entry
+        module_name, _, attribute = entry.partition(":")
         module = importlib.import_module(module_name)
         return getattr(module, attribute) if attribute else module

@@ -16,6 +16,9 @@ _REGISTRY = Registry("--strategy", "strategy", {
 })
 names = _REGISTRY.names
 check_name = _REGISTRY.check
+# A new engine: one module with a `Strategy` subclass, and one line above (or
+# `tfdist.strategies.register("name", MyStrategy)` from a user's own code).
+register = _REGISTRY.register
 
 
 def create(config: StrategyConfig) -> Strategy:
@@ -23,4 +26,4 @@ def create(config: StrategyConfig) -> Strategy:
     return _REGISTRY.load(config.name)(config)
 
 
-__all__ = ["Strategy", "check_name", "create", "names"]
+__all__ = ["Strategy", "check_name", "create", "names", "register"]

@@ -1,10 +1,13 @@
-"""The strategy adapter interface the trainer talks to.
+"""The strategy adapter interface the trainer and controller talk to.
 
 An adapter owns everything specific to one scale-out engine: creating it,
 the variable scope, turning a dataset function into per-replica batches,
 running a replica step, the cross-replica sum, broadcasting initial state,
-and who is chief. The trainer only calls these hooks, so adding an engine is
-one file plus one registry line (see `tfdist/strategies/__init__.py`).
+and who is chief. These core hooks are what every engine has; what only some
+engines do (tensor sharding, elastic membership, scheduled steps, serving
+processes) are opt-in interfaces in `capabilities.py`. The trainer only
+calls these hooks, so adding an engine is one file plus one registry line
+(see `tfdist/strategies/__init__.py`; `tests/test_new_engine.py` adds one).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from tfdist.config import StrategyConfig
 from tfdist.errors import UsageError
+from tfdist.strategies.capabilities import ElasticMembership, ServingProcesses
 
 
 class Strategy(abc.ABC):
@@ -27,9 +31,6 @@ class Strategy(abc.ABC):
     """
 
     name: str = ""
-    # Whether the engine splits variables over devices by layout rules
-    # (`set_layout_rules`, `layout_report`); only such engines --print_layouts.
-    shards_tensors: bool = False
     # What a process is called in log lines ("[worker 0/2 chief]").
     process_unit: str = "worker"
     # XLA (--jit_compile): whether the replica step may be compiled, why not,
@@ -38,11 +39,14 @@ class Strategy(abc.ABC):
     supports_xla: bool = True
     supports_xla_reason: str = ""
     xla_whole_step: bool = False
-    # Whether the engine can lose and gain workers during a run (--elastic).
-    supports_elastic: bool = False
 
     def __init__(self, config: StrategyConfig):
-        if config.elastic and not self.supports_elastic:
+        if (config.ps_hosts or config.task_type != "worker") and \
+                not isinstance(self, ServingProcesses):
+            raise UsageError(f"--ps_hosts and --task_type name server tasks, which "
+                             f"--strategy={config.name} does not have "
+                             "(--strategy=parameter_server has)")
+        if config.elastic and not isinstance(self, ElasticMembership):
             raise UsageError(f"--elastic: --strategy={config.name} cannot change its number "
                              "of workers during a run; --strategy=horovod under an elastic "
                              "horovodrun (--min-np/--max-np) can")
@@ -54,6 +58,7 @@ class Strategy(abc.ABC):
         # re-raises errors from variable creation in its own exception type);
         # `tfdist.train` reports this one instead.
         self.usage_error = None
+        self._any_worker_fn = None   # traced on first use (see `any_worker`)
 
     # -- lifecycle ---------------------------------------------------------
     @abc.abstractmethod
@@ -67,36 +72,6 @@ class Strategy(abc.ABC):
     def close(self) -> None:
         """Release engine resources (idempotent)."""
 
-    # -- the training run ----------------------------------------------------
-    def run_training(self, train: Callable[[], Any], state_variables: Sequence) -> Any:
-        """Run the outer training loop `train()` (which starts at the step the
-        state holds) and return its result.
-
-        Every replica starts from the chief's `state_variables` (its initial
-        values, or the checkpoint it restored). An elastic engine instead
-        keeps them in its own state: when workers leave or join it rolls them
-        back to the last commit, re-forms the group and calls `train()` again.
-        """
-        self.broadcast_variables(state_variables)
-        return train()
-
-    @property
-    def commit_every(self) -> int:
-        """Steps between commits of an elastic engine's state (0: none, or at
-        the end of every loop); the outer loop regains control at each."""
-        return 0
-
-    def end_of_loop(self, step: int) -> None:
-        """Called by every worker after each outer loop, at global `step`
-        (elastic engines commit their state here)."""
-
-    def serve(self) -> bool:
-        """Engines with processes that only serve others (parameter servers,
-        workers that run what a coordinator schedules): run this process's
-        server until the job ends and return True, and the caller trains
-        nothing here. False (the default): this process trains."""
-        return False
-
     # -- topology ----------------------------------------------------------
     @property
     @abc.abstractmethod
@@ -104,8 +79,9 @@ class Strategy(abc.ABC):
         """Replicas across all workers; the global batch is split over them."""
 
     @property
-    def replica_copies(self) -> int:
-        """Copies of the replica step whose results `all_reduce_sum` adds up.
+    def step_copies(self) -> int:
+        """Copies of the replica step that run per update, whose results
+        `all_reduce_sum` adds up.
 
         `num_replicas` for replica-based engines (each replica runs the step
         on its share of the batch); 1 for SPMD engines (DTensor), where one
@@ -141,16 +117,9 @@ class Strategy(abc.ABC):
         """One line naming the engine and its devices, for the start-up log."""
         return f"{self.name}: {self.num_replicas} replica(s)"
 
-    def set_layout_rules(self, rules) -> None:
-        """The model's tensor-sharding rules (`tfdist.sharding.LayoutRules`);
-        only engines that shard tensors (dtensor) use them."""
-
-    def layout_report(self, model, optimizer) -> str:
-        """A table of every variable's sharding (engines that shard tensors)."""
-        raise NotImplementedError
-
-    def prepare_optimizer(self, optimizer, variables) -> None:
-        """Called once the optimizer is built on `variables` (its slots exist)."""
+    def on_optimizer_built(self, optimizer, variables) -> None:
+        """Called once the optimizer is built on `variables` (its slots exist):
+        an engine whose variables are split may replace its update steps."""
 
     def to_host(self, value):
         """`value` (a tensor or variable the engine made) as a host tensor."""
@@ -168,30 +137,14 @@ class Strategy(abc.ABC):
         """Raise `UsageError` for a loss or metric this engine cannot compute
         (`task` has been built and traced on plain tensors already)."""
 
-    def function(self, fn: Callable) -> Callable:
-        """`fn` compiled for this engine (the trainer's in-graph loops).
+    def host_function(self, fn: Callable) -> Callable:
+        """`fn` compiled for this engine, callable from the host.
 
-        Called with host values (an iterator, a step count); must return
-        host-readable tensors (`.numpy()`).
+        Called with host values (an iterator, a step count, Python options);
+        returns host-readable tensors (`.numpy()`) in `fn`'s structure.
         """
         import tensorflow as tf
         return tf.function(fn)
-
-    def loop_function(self, fn: Callable, combine: Callable) -> Callable:
-        """The trainer's loop `fn(iterator, num_steps, *options)` for this engine.
-
-        By default one call of `function(fn)` runs all `num_steps` steps in
-        graph. An engine that runs steps as independent tasks (parameter
-        servers: each step is scheduled on whichever worker is free) may
-        instead call `fn` several times with fewer steps and merge the results
-        with `combine([(steps, result), ...])` (in the order the steps were issued).
-        """
-        del combine
-        return self.function(fn)
-
-    def loop_metrics(self) -> dict:
-        """Engine-specific scalars of the last loop, for progress and TensorBoard."""
-        return {}
 
     def gradients(self, tape, target, variables) -> list:
         """Gradients of `target` for `variables` (unconnected ones are zeros);
@@ -255,18 +208,29 @@ class Strategy(abc.ABC):
                 reduced[position] = value
         return reduced
 
+    def apply_if(self, condition, update: Callable, *args) -> None:
+        """`update(*args)` where `condition` (a boolean tensor that is the same
+        on every replica) holds; called in replica context."""
+        import tensorflow as tf
+
+        def apply():
+            update(*args)
+            return tf.constant(True)
+
+        tf.cond(condition, apply, lambda: tf.constant(False))
+
     def any_worker(self, flag: bool) -> bool:
         """Whether `flag` is set on any worker (all workers call this together,
         between loops): one small collective where there are several processes."""
         import tensorflow as tf
         if self.num_workers == 1:
             return bool(flag)
-        if getattr(self, "_any_worker_fn", None) is None:
+        if self._any_worker_fn is None:
             def agree(value):
                 # tf.identity: a replica's own copy (MultiWorkerMirroredStrategy
                 # cannot all-reduce a host input: "destinations can not be empty").
                 return self.run(lambda v: self.all_reduce_sum([tf.identity(v)])[0], value)
-            self._any_worker_fn = self.function(agree)
+            self._any_worker_fn = self.host_function(agree)
         total = self._any_worker_fn(tf.constant(1.0 if flag else 0.0))
         return float(self.to_host(total).numpy()) > 0
 

@@ -5,7 +5,7 @@ The whole step runs SPMD on DTensor values: one program over the global
 batch, split over the mesh's `batch` axis, with variables split over its
 `model` axis by the model's layout rules (`tfdist/sharding.py`). There are
 no replicas to reduce across: DTensor inserts the collectives a layout needs,
-so `all_reduce_sum` is the identity and `replica_copies` is 1.
+so `all_reduce_sum` is the identity and `step_copies` is 1.
 
 How a Keras 3 model lands on the mesh (Keras has no DTensor path on the
 TensorFlow backend): the model and optimizer are built inside
@@ -31,6 +31,7 @@ from tensorflow.experimental import dtensor
 from tfdist import cluster, compat, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
+from tfdist.strategies.capabilities import TensorSharding
 from tfdist.observe import logs, watchdog
 from tfdist.strategies import dtensor_updates, multi_worker
 
@@ -103,12 +104,11 @@ class MeshVariable(dtensor.DVariable):
         return array if dtype is None else array.astype(dtype)
 
 
-class DTensorStrategy(Strategy):
+class DTensorStrategy(Strategy, TensorSharding):
     name = "dtensor"
     supports_xla = False
     supports_xla_reason = ("DTensor expands its SPMD program itself, outside XLA, on CPU; "
                            "it has no per-replica step to compile")
-    shards_tensors = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -208,7 +208,7 @@ class DTensorStrategy(Strategy):
         return self.axes[sharding.BATCH]
 
     @property
-    def replica_copies(self) -> int:
+    def step_copies(self) -> int:
         return 1
 
     def describe(self) -> str:
@@ -263,7 +263,7 @@ class DTensorStrategy(Strategy):
         with tf.variable_creator_scope(self._creator):
             yield
 
-    def prepare_optimizer(self, optimizer, variables) -> None:
+    def on_optimizer_built(self, optimizer, variables) -> None:
         """Slots follow their variables; updates that are correct on DTensors."""
         var_layouts, slot_layouts = [], []
         zero = self.config.shard_optimizer_state
@@ -325,7 +325,7 @@ class DTensorStrategy(Strategy):
         return distributed
 
     # -- stepping ----------------------------------------------------------
-    def function(self, fn):
+    def host_function(self, fn):
         compiled = tf.function(fn)
 
         @functools.wraps(fn)
@@ -368,7 +368,7 @@ class DTensorStrategy(Strategy):
         for name, layout in zip(task.metric_names, task.metric_layouts):
             try:
                 with logs.quiet_absl():
-                    self.function(update(layout))(*zeros)
+                    self.host_function(update(layout))(*zeros)
             except (tf.errors.OpError, ValueError, TypeError) as error:
                 text = str(getattr(error, "message", error)).strip().splitlines()
                 reason = next((line.split("error: ", 1)[-1] for line in text if "error:" in line),

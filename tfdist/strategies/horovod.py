@@ -29,6 +29,7 @@ from absl import logging
 
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
+from tfdist.strategies.capabilities import ElasticMembership
 
 ELASTIC_GLOO_TIMEOUT_S = 120
 BUILD_HINT = "build it with `make horovod` (launch/build_horovod.sh; see BUILD_NOTES.md)"
@@ -46,12 +47,13 @@ def _import_horovod():
     return hvd  # the import loads Horovod's TensorFlow ops library: it was built with TF
 
 
-class HorovodStrategy(Strategy):
-    """Data parallelism over Horovod ranks; rank 0 is the chief."""
+class HorovodStrategy(Strategy, ElasticMembership):
+    """Data parallelism over Horovod ranks; rank 0 is the chief. Elastic
+    (ranks may leave and join) with --elastic."""
 
     name = "horovod"
     process_unit = "rank"
-    supports_elastic = True
+    _hvd = None   # horovod.tensorflow, once `setup` has initialised it
 
     def setup(self) -> None:
         hvd = _import_horovod()
@@ -76,7 +78,7 @@ class HorovodStrategy(Strategy):
 
     def close(self) -> None:
         """Shut Horovod's background thread down cleanly at the end of a run."""
-        if getattr(self, "_hvd", None) is not None and self._hvd.is_initialized():
+        if self._hvd is not None and self._hvd.is_initialized():
             self._hvd.shutdown()
 
     @property
@@ -100,14 +102,16 @@ class HorovodStrategy(Strategy):
         return (f"horovod: {self.num_replicas} rank(s); this is rank {self.worker_index} "
                 f"(local rank {self._hvd.local_rank()}){elastic}")
 
-    # -- elastic -------------------------------------------------------------
+    # -- elastic (capabilities.ElasticMembership) -------------------------------
     @property
-    def commit_every(self) -> int:
-        return self.config.elastic_commit_every if self.config.elastic else 0
+    def elastic_enabled(self) -> bool:
+        return self.config.elastic
 
-    def run_training(self, train, state_variables):
-        if not self.config.elastic:
-            return super().run_training(train, state_variables)
+    @property
+    def commit_interval(self) -> int:
+        return self.config.elastic_commit_every
+
+    def train_elastic(self, train, state_variables):
         from horovod.common.elastic import run_fn
         from horovod.common.exceptions import HorovodInternalError
 
@@ -148,9 +152,7 @@ class HorovodStrategy(Strategy):
             return {}
         return {"elastic_reforms": self._reforms}   # as the final chief saw them
 
-    def end_of_loop(self, step: int) -> None:
-        if not self.config.elastic:
-            return
+    def commit_if_due(self, step: int) -> None:
         every = self.config.elastic_commit_every
         if not every or step % every == 0:
             # Copies the state to host memory, then (one small broadcast) raises

@@ -49,6 +49,10 @@ from tfdist import cluster, compat
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import logs, watchdog
 from tfdist.strategies.base import Strategy
+from tfdist.strategies.capabilities import ScheduledSteps, ServingProcesses
+from tfdist.strategies.tf_distribute import apply_if_merged, run_first_result
+from tfdist.training.precision import Precision
+from tfdist.training.totals import LoopTotals
 from tfdist.strategies.multi_worker import _reason
 
 CHIEF_POLL_S = 1.0       # how often a server checks that the chief is still there
@@ -128,7 +132,7 @@ def _value(variable):
     return getattr(variable, "value", variable) if hasattr(variable, "path") else variable
 
 
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
     """The chief coordinates; workers and parameter servers serve (see module doc)."""
 
     name = "parameter_server"
@@ -174,7 +178,7 @@ class ParameterServerStrategy(Strategy):
         self._loop = {}
 
     # -- servers -----------------------------------------------------------
-    def serve(self) -> bool:
+    def serve_if_server(self) -> bool:
         """A worker or ps: serve until the chief has come and gone. A chief
         that never answers within --collective_timeout_s ends this one too."""
         if self._server is None:
@@ -198,10 +202,6 @@ class ParameterServerStrategy(Strategy):
         return True
 
     # -- topology ----------------------------------------------------------
-    @property
-    def tf_strategy(self):
-        return self._strategy
-
     def scope(self):
         stack = contextlib.ExitStack()
         stack.enter_context(self._strategy.scope())
@@ -254,9 +254,10 @@ class ParameterServerStrategy(Strategy):
         return self._coordinator.create_per_worker_dataset(per_worker_dataset)
 
     def run(self, replica_fn, *args):
-        per_replica = self._strategy.run(replica_fn, args=args)
-        return tf.nest.map_structure(
-            lambda v: self._strategy.experimental_local_results(v)[0], per_replica)
+        return run_first_result(self._strategy, replica_fn, args)
+
+    def apply_if(self, condition, update, *args):
+        apply_if_merged(condition, update, args)
 
     def _all_reduce_sum(self, tensors):
         return list(tensors)   # one replica per step: nothing to add up
@@ -275,15 +276,14 @@ class ParameterServerStrategy(Strategy):
         return [parts[0] if len(parts) == 1 else
                 tf.concat([tf.convert_to_tensor(p) for p in parts], axis=0) for parts in grads]
 
-    def prepare_optimizer(self, optimizer, variables) -> None:
+    def on_optimizer_built(self, optimizer, variables) -> None:
         self._optimizer = optimizer
         if any(compat.is_sharded(_value(v)) for v in variables):
             # The optimizer that applies the updates (a LossScaleOptimizer
             # hands them to its inner one) updates partitioned variables directly.
-            compat.optimizer_updates_sharded_variables(
-                getattr(optimizer, "inner_optimizer", optimizer))
+            compat.optimizer_updates_sharded_variables(Precision.applying_optimizer(optimizer))
 
-    def function(self, fn):
+    def host_function(self, fn):
         """`fn` as one closure on a free worker; its result once it is done."""
         compiled = tf.function(fn)
 
@@ -294,7 +294,8 @@ class ParameterServerStrategy(Strategy):
 
         return call
 
-    def loop_function(self, fn, combine):
+    # -- scheduled steps (capabilities.ScheduledSteps) ----------------------------
+    def scheduled_loop(self, loop_fn):
         """Each of the loop's steps as its own closure, all scheduled at once
         (the coordinator hands them to workers as they become free), then one
         wait for all. Each closure also reports its worker and the optimizer's
@@ -306,7 +307,7 @@ class ParameterServerStrategy(Strategy):
         def closure(iterator, num_steps, *options):
             before = counter()
             with tf.control_dependencies([before]):   # read before the step's weights
-                result = fn(iterator, num_steps, *options)
+                result = loop_fn(iterator, num_steps, *options)
             with tf.control_dependencies(tf.nest.flatten(result)):
                 after = counter()
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
@@ -322,7 +323,8 @@ class ParameterServerStrategy(Strategy):
             fetched = [remote.fetch() for remote in remotes]
             self._account([(int(after) - int(before) - 1, int(worker))
                            for _, before, after, worker in fetched])
-            return combine([(1, result) for result, _, _, _ in fetched])
+            return LoopTotals.chain([(1, LoopTotals.from_tensors(result))
+                                     for result, _, _, _ in fetched])
 
         return call
 
@@ -340,7 +342,7 @@ class ParameterServerStrategy(Strategy):
     def _per_worker(self) -> dict:
         return {f"steps_worker_{i}": self._steps_by_worker[i] for i in range(self.num_workers)}
 
-    def loop_metrics(self) -> dict:
+    def schedule_metrics(self) -> dict:
         return {**self._loop, **self._per_worker()}
 
     def summary_fields(self, model, optimizer) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdist import compat
 from tfdist.strategies.base import Strategy
 
 
@@ -15,16 +16,15 @@ class TFDistributeStrategy(Strategy):
     """
 
     _strategy: tf.distribute.Strategy
+    # Replicas of this process whose batches `next_batch` slices out of one
+    # stacked tf.data batch (`input_iterator`); None: a plain iterator.
+    _local_replicas = None
 
     def setup(self) -> None:
         self._strategy = self._create()
 
     def _create(self) -> tf.distribute.Strategy:
         raise NotImplementedError
-
-    @property
-    def tf_strategy(self) -> tf.distribute.Strategy:
-        return self._strategy
 
     def scope(self):
         return self._strategy.scope()
@@ -34,7 +34,7 @@ class TFDistributeStrategy(Strategy):
         return self._strategy.num_replicas_in_sync
 
     def describe(self) -> str:
-        devices = getattr(self._strategy.extended, "worker_devices", ())
+        devices = self._strategy.extended.worker_devices
         return (f"{self.name}: {self.num_replicas} replica(s) on "
                 f"{', '.join(devices) or 'the default device'}")
 
@@ -63,7 +63,7 @@ class TFDistributeStrategy(Strategy):
         return iterator, iterator
 
     def next_batch(self, iterator):
-        local = getattr(self, "_local_replicas", None)
+        local = self._local_replicas
         if local is None:
             return next(iterator)
         batches = next(iterator)
@@ -78,10 +78,45 @@ class TFDistributeStrategy(Strategy):
         return self._strategy.experimental_distribute_values_from_function(replica_batch)
 
     def run(self, replica_fn, *args):
-        per_replica = self._strategy.run(replica_fn, args=args)
-        return tf.nest.map_structure(
-            lambda v: self._strategy.experimental_local_results(v)[0], per_replica)
+        return run_first_result(self._strategy, replica_fn, args)
+
+    def apply_if(self, condition, update, *args):
+        apply_if_merged(condition, update, args)
 
     def _all_reduce_sum(self, tensors):
         context = tf.distribute.get_replica_context()
         return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+
+def run_first_result(strategy: tf.distribute.Strategy, replica_fn, args):
+    """`strategy.run(replica_fn, args)`, replica 0's result (the replica
+    function reduces what must agree, so every replica holds the same)."""
+    per_replica = strategy.run(replica_fn, args=args)
+    return tf.nest.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0], per_replica)
+
+
+def apply_if_merged(condition, update, args) -> None:
+    """`update(*args)` on every replica where `condition` holds, under the
+    current tf.distribute strategy. Keras optimizers call `merge_call` under
+    some strategies (MirroredStrategy over virtual CPUs), and a merge_call may
+    not sit in a replica-context `tf.cond`: there the condition is taken in
+    cross-replica context, as Keras's LossScaleOptimizer does."""
+    if compat.strategy_supports_no_merge_call():
+        def apply():
+            update(*args)
+            return tf.constant(True)
+
+        tf.cond(condition, apply, lambda: tf.constant(False))
+        return
+
+    def cross_replica(distribution, condition, *args):
+        condition = distribution.experimental_local_results(condition)[0]
+
+        def apply_everywhere():
+            distribution.extended.call_for_each_replica(update, args=args)
+            return tf.constant(True)
+
+        tf.cond(condition, apply_everywhere, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(condition, *args))

@@ -49,7 +49,22 @@ class Precision:
             optimizer, dynamic_growth_steps=self.loss_scale_growth_steps)
 
     @staticmethod
+    def dynamic_scale(optimizer):
+        """The loss-scale variable of a `LossScaleOptimizer`, else None."""
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return optimizer.dynamic_scale
+        return None
+
+    @staticmethod
+    def applying_optimizer(optimizer):
+        """The optimizer whose update steps change the variables (a
+        `LossScaleOptimizer` hands the unscaled gradients to its inner one)."""
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return optimizer.inner_optimizer
+        return optimizer
+
+    @staticmethod
     def loss_scale(optimizer):
         """The current loss scale, or None without loss scaling."""
-        scale = getattr(optimizer, "dynamic_scale", None)
+        scale = Precision.dynamic_scale(optimizer)
         return None if scale is None else float(scale.numpy())

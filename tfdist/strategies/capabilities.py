@@ -1,0 +1,108 @@
+"""Opt-in capabilities: what only some engines do.
+
+The adapter base (`base.Strategy`) holds what every engine has. A feature
+that only some engines have is an interface here, which an adapter
+implements (by subclassing it next to `Strategy`) and the trainer, the
+controller and the API test for with `capability(strategy, Interface)` —
+never by engine name (the shape of Lightning Fabric's `_Sharded` and
+`_BackwardSyncControl`). A new engine implements those it needs; a new kind of
+feature (pipeline stages, say) is a new interface here, not a new base hook.
+
+Each interface may be implemented by a class yet not used by a given run
+(Horovod is elastic only with --elastic): `active()` says whether it is.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+class Capability(abc.ABC):
+    """Base of the capability interfaces."""
+
+    def active(self) -> bool:
+        """Whether this run uses the capability (default: always, when implemented)."""
+        return True
+
+
+def capability(strategy, interface: type[T]) -> Optional[T]:
+    """`strategy` as an `interface` if it implements it and this run uses it, else None."""
+    if isinstance(strategy, interface) and interface.active(strategy):
+        return strategy
+    return None
+
+
+class TensorSharding(Capability):
+    """Variables are split over devices by layout rules (DTensor). Such an
+    engine takes the model's rules before the model is built, and can report
+    where every variable and optimizer slot lives (`--print_layouts`)."""
+
+    @abc.abstractmethod
+    def set_layout_rules(self, rules) -> None:
+        """The model's rules (`tfdist.sharding.LayoutRules`), before it is built."""
+
+    @abc.abstractmethod
+    def layout_report(self, model, optimizer) -> str:
+        """A table of every variable's sharding and the per-device totals."""
+
+
+class ElasticMembership(Capability):
+    """Workers may leave and join during a run (Horovod elastic). The engine
+    keeps the training state in its own store, committed every
+    `commit_interval` steps; when the group changes it rolls back to the last
+    commit, re-forms and runs the outer loop again, which then re-reads the
+    topology (number of replicas, rank, chief) and re-traces its functions."""
+
+    def active(self) -> bool:
+        return self.elastic_enabled
+
+    @property
+    @abc.abstractmethod
+    def elastic_enabled(self) -> bool:
+        """Whether this run is elastic (e.g. --elastic)."""
+
+    @property
+    @abc.abstractmethod
+    def commit_interval(self) -> int:
+        """Steps between commits (0: at the end of every loop); the outer
+        loop regains control at each."""
+
+    @abc.abstractmethod
+    def train_elastic(self, train: Callable[[], Any], state_variables: Sequence) -> Any:
+        """Run `train()` (the outer loop, from the step the state holds) with
+        `state_variables` in the engine's store; call it again after each
+        change of membership. Returns its result."""
+
+    @abc.abstractmethod
+    def commit_if_due(self, step: int) -> None:
+        """Called by every worker after each loop, at global `step`."""
+
+
+class ScheduledSteps(Capability):
+    """Steps are independent tasks that the engine runs on whichever worker
+    is free (parameter servers: asynchronous training). The trainer's loop
+    function may then be called several times with fewer steps, and the
+    pieces' results joined (`LoopTotals.chain`)."""
+
+    @abc.abstractmethod
+    def scheduled_loop(self, loop_fn: Callable) -> Callable:
+        """`loop_fn(iterator, num_steps, *options) -> dict of LoopTotals.fields`
+        as a host call with the same arguments returning a `LoopTotals`."""
+
+    @abc.abstractmethod
+    def schedule_metrics(self) -> dict:
+        """Scalars about the last loop's scheduling (e.g. staleness), for logs."""
+
+
+class ServingProcesses(Capability):
+    """Some processes of the job only serve others (parameter servers and
+    their workers; pipeline stages driven by one client): they run what a
+    coordinator sends them and train nothing themselves."""
+
+    @abc.abstractmethod
+    def serve_if_server(self) -> bool:
+        """If this process is such a server, serve until the job ends and
+        return True (the caller then trains nothing here); else False."""
