@@ -55,8 +55,10 @@ class LoopbackStrategy(Strategy):
 
 @pytest.fixture(scope="module", autouse=True)
 def loopback_registered():
-    if "loopback" not in strategies.names():
-        strategies.register("loopback", LoopbackStrategy)
+    """Registered for this module only (other tests list the built-in engines)."""
+    strategies.register("loopback", LoopbackStrategy)
+    yield
+    strategies.unregister("loopback")
 
 
 def test_a_registered_minimal_engine_trains_like_one_device():

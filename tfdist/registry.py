@@ -26,6 +26,11 @@ class Registry:
                              f"({self._entries[name]})")
         self._entries[name] = entry
 
+    def unregister(self, name: str) -> None:
+        """Remove `name` (e.g. an engine a test registered for itself)."""
+        self.check(name)
+        del self._entries[name]
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

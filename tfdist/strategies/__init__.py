@@ -19,6 +19,7 @@ check_name = _REGISTRY.check
 # A new engine: one module with a `Strategy` subclass, and one line above (or
 # `tfdist.strategies.register("name", MyStrategy)` from a user's own code).
 register = _REGISTRY.register
+unregister = _REGISTRY.unregister
 
 
 def create(config: StrategyConfig) -> Strategy:
@@ -26,4 +27,5 @@ def create(config: StrategyConfig) -> Strategy:
     return _REGISTRY.load(config.name)(config)
 
 
-__all__ = ["Strategy", "check_name", "create", "names", "register"]
+__all__ = ["Strategy", "check_name", "create", "names", "register",
+           "unregister"]
