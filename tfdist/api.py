@@ -10,9 +10,7 @@ prepared, then the model and optimizer are built in the engine's scope.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 from typing import Callable, Optional
 
 import keras
@@ -28,6 +26,7 @@ from tfdist.data.function_inputs import DatasetFn, FunctionInputs
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import flops, hardware, logs, peak
+from tfdist.observe import summary as summary_lib
 from tfdist.training import optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
@@ -97,16 +96,6 @@ def check_batch(config: RunConfig, replicas: int) -> None:
             f"--global_batch_size={tc.global_batch_size} must be divisible by replicas "
             f"({replicas}) x --accum_steps ({tc.accum_steps}) = {parts}; "
             f"e.g. {max(parts, tc.global_batch_size // parts * parts)}")
-
-
-def write_summary(model_dir: str, summary: dict) -> None:
-    """Write `summary.json` atomically (never a half-written file)."""
-    path = os.path.join(model_dir, "summary.json")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def memory_advice(config: RunConfig, replicas: int) -> str:
@@ -268,19 +257,6 @@ def _inputs(config: RunConfig, dataset_fn, spec):
     return tfds_inputs.load(config.data, model_dir=config.train.model_dir)
 
 
-def _metric_keys(task: Task, metrics: dict) -> list:
-    """The metric values among a trainer's results (train `NAME`, test
-    `test_NAME`; a vector-valued metric gives `NAME_0`, `NAME_1`, ...), also
-    when a resumed run trained no step and only evaluated."""
-    keys = []
-    for key in metrics:
-        name = key[len("test_"):] if key.startswith("test_") else key
-        if name not in keys and any(re.fullmatch(rf"{re.escape(m)}(_\d+)?", name)
-                                    for m in task.metric_names):
-            keys.append(name)
-    return keys
-
-
 def _serving_model(config: RunConfig, model_fn, spec) -> keras.Model:
     """A fresh copy of the model outside any engine, under the run's precision
     policy, for export (its weights are then set from the trained model)."""
@@ -307,8 +283,9 @@ def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=
         strategy.close()
 
 
-def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
-           metrics) -> RunResult:
+def _check_run(config, strategy, dataset_fn, spec):
+    """Every check of the run's settings against the engine and the data,
+    before anything is built; returns the inputs."""
     tc = config.train
     strategy.check_config(config)
     check_batch(config, strategy.num_replicas)
@@ -325,7 +302,13 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     if train_examples and tc.global_batch_size > train_examples:
         raise UsageError(f"--global_batch_size={tc.global_batch_size} is larger than the "
                          f"{train_examples} training examples of {inputs.spec.name}")
+    return inputs
 
+
+def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
+           metrics) -> RunResult:
+    tc = config.train
+    inputs = _check_run(config, strategy, dataset_fn, spec)
     steps = total_steps(tc, inputs.spec)
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
     task = _task(config, strategy, model, inputs, loss, metrics)
@@ -362,44 +345,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         raise WorkerFault(out_of_memory(config, strategy, controller.loop_start, error)) from None
     except tf.errors.OpError as error:
         raise WorkerFault(strategy.describe_fault(error)) from error
-    summary = {
-        "strategy": strategy.name,
-        "replicas": strategy.num_replicas,
-        "workers": strategy.num_workers,
-        "global_batch_size": tc.global_batch_size,
-        "model": model.name,
-        "dataset": inputs.spec.name,
-        "steps": metrics["steps"],
-        "loss_function": task.loss_name,
-        "metrics": task.metric_names,
-        "loss": metrics.get("loss"),
-        "test_loss": metrics.get("test_loss"),
-        "examples_per_sec": metrics.get("examples_per_sec"),
-        "tflops": metrics.get("tflops"),
-        "mfu": metrics.get("mfu"),
-        "peak_tflops": peak_tflops,
-        "flops_per_example": flops_per_example,
-        "jit_compile": trainer.jit_level,
-        "grad_norm": metrics.get("grad_norm"),
-        "nonfinite_steps": controller.nonfinite.skipped,   # --on_nonfinite=skip/rollback
-        "rollbacks": controller.nonfinite.rollbacks,
-        **controller.grad_agreement,
-        "precision": tc.precision,
-        "learning_rate": peak_lr,
-        "final_learning_rate": optimizers.current_learning_rate(optimizer),
-        "loss_scale": Precision.loss_scale(optimizer),
-        "grad_compression": tc.grad_compression,
-        "bytes_reduced_per_update": trainer.bytes_per_update,
-        "hardware": hardware.describe(),
-        "cpu": hardware.cpu_model(),
-        **strategy.summary_fields(model, optimizer),
-    }
-    # Each metric: its last training value as train_NAME, its test value as
-    # NAME (None without evaluation), e.g. train_accuracy and accuracy.
-    for name in _metric_keys(task, metrics):
-        key = name if name not in summary else f"metric_{name}"
-        summary[f"train_{name}"] = metrics.get(name)
-        summary[key] = metrics.get(f"test_{name}")
+    summary = summary_lib.run_summary(config, controller, inputs, metrics, peak_lr=peak_lr)
     def rebuild():
         return _serving_model(config, model_fn, inputs.spec)
 
@@ -407,6 +353,6 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         summary["export"] = export_lib.export_model(model, tc.export_dir, strategy=strategy,
                                                     rebuild=rebuild)
     if strategy.is_chief and tc.model_dir:
-        write_summary(tc.model_dir, summary)
+        summary_lib.write_summary(tc.model_dir, summary)
     return RunResult(summary=summary, model=model, optimizer=optimizer,
                      is_chief=strategy.is_chief, strategy=strategy, rebuild=rebuild)

@@ -1,1 +1,2 @@
-"""Observability: progress, logs and the run summary."""
+"""Observability: hardware, FLOPs and peaks, progress lines, per-rank logs,
+TensorBoard and the profiler, and the run summary."""

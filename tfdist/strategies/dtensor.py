@@ -32,7 +32,8 @@ from tfdist import cluster, compat, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import TensorSharding
-from tfdist.observe import logs, watchdog
+from tfdist.observe import logs
+from tfdist.strategies import watchdog
 from tfdist.strategies import dtensor_updates, multi_worker
 
 

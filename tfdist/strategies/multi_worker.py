@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfdist import cluster
 from tfdist.errors import UsageError
-from tfdist.observe import watchdog
+from tfdist.strategies import watchdog
 from tfdist.strategies.tf_distribute import TFDistributeStrategy
 
 _IMPLEMENTATIONS = {

@@ -47,7 +47,8 @@ from absl import logging
 
 from tfdist import cluster, compat
 from tfdist.errors import UsageError, WorkerFault
-from tfdist.observe import logs, watchdog
+from tfdist.observe import logs
+from tfdist.strategies import watchdog
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import ScheduledSteps, ServingProcesses
 from tfdist.strategies.tf_distribute import apply_if_merged, run_first_result
