@@ -13,9 +13,11 @@ install: $(STAMP)
 # The stamp is newer than setup.cfg/pyproject.toml once the pinned set is in,
 # so re-running make installs nothing.
 $(STAMP): setup.cfg pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
+	@set -e; start=$$(date +%s); \
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+	$(BIN)/python -m pip install --quiet --upgrade pip; \
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'; \
+	echo $$(( $$(date +%s) - start )) > $(VENV)/.install-seconds; \
 	touch $@
 
 demo: $(STAMP)
@@ -29,21 +31,15 @@ horovod: $(STAMP)
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make; }
 	launch/build_horovod.sh $(VENV)
 
-# The Horovod build (2-4 minutes on a fresh 2-core machine, seconds once
-# cached) runs beside the tests that do not need it; the Horovod tests run
-# when it is done. Its log is $(VENV)/horovod-build.log.
+# One pytest run, two xdist workers, with the Horovod build (2-4 minutes on
+# a fresh 2-core machine, seconds once cached) beside it; the Horovod tests
+# wait for it. Prints the slowest tests and each phase's time
+# (tests/run_suite.sh). The build's log is $(VENV)/horovod-build.log.
 test: $(STAMP)
-	@$(MAKE) --no-print-directory horovod > $(VENV)/horovod-build.log 2>&1 & build=$$!; \
-	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/test_horovod.py tests; \
-	status=$$?; \
-	if ! wait $$build; then tail -40 $(VENV)/horovod-build.log; exit 1; fi; \
-	grep '^\[build_horovod\] done' $(VENV)/horovod-build.log || true; \
-	TFDIST_REQUIRE_HOROVOD=1 $(BIN)/python -m pytest -q --durations=5 tests/test_horovod.py \
-	  || status=1; \
-	exit $$status
+	@tests/run_suite.sh $(VENV)
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m 'not integration'
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests -m 'not integration'
 
 # Every benchmark, one after the other; each prints its rows as it measures
 # them and stays under ~10 minutes on a slow 2-core CPU. The sections collect

@@ -8,6 +8,7 @@ mirrored runs use the first 2 (`virtual_devices=2`), DTensor meshes all 4.
 import os
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -56,3 +57,48 @@ def run_clis(arg_lists, *, timeout=300, envs=None):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: starts real processes (slower)")
+
+
+# -- the Horovod build beside the suite (tests/run_suite.sh) ----------------------
+HOROVOD_BUILD_WAIT_S = 900
+
+
+def wait_for_horovod_build() -> None:
+    """`make test` builds Horovod while the other tests run and names a file
+    the build writes "<exit status> <seconds>" into when it ends: wait for it
+    (polling), and fail with the build log's end if it failed."""
+    status_file = os.environ.get("TFDIST_HOROVOD_BUILD_STATUS")
+    if not status_file:
+        return
+    deadline = time.monotonic() + HOROVOD_BUILD_WAIT_S
+    while not os.path.exists(status_file):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the Horovod build did not end within {HOROVOD_BUILD_WAIT_S}s")
+        time.sleep(1)
+    with open(status_file) as f:
+        code = f.read().split()[0]
+    if code != "0":
+        log = os.environ.get("TFDIST_HOROVOD_BUILD_LOG", "")
+        tail = open(log).read()[-3000:] if log and os.path.exists(log) else ""
+        pytest.fail(f"make horovod failed (exit {code}):\n{tail}")
+
+
+# -- order: the longest files first, so two workers end together ------------------
+# Files in this order, then the rest alphabetically. test_horovod.py waits for
+# the Horovod build, which takes 2-4 minutes on a fresh machine: it comes
+# after enough other work to cover that.
+FIRST = ["test_multi_worker.py", "test_parameter_server.py", "test_reliability.py",
+         "test_dtensor.py", "test_horovod.py", "test_netns.py", "test_demo.py", "test_cli.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = os.path.basename(str(item.fspath))
+        return (FIRST.index(name) if name in FIRST else len(FIRST), name)
+
+    items.sort(key=rank)   # stable: the order within a file is kept
+
+
+def pytest_runtest_setup(item):
+    if os.path.basename(str(item.fspath)) == "test_horovod.py":
+        wait_for_horovod_build()
