@@ -17,17 +17,24 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 from tfdist.config import StrategyConfig
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, first_line
 from tfdist.strategies.capabilities import ElasticMembership, ServingProcesses
 
 
 class Strategy(abc.ABC):
-    """Base class of every strategy adapter.
+    """Base class of every strategy adapter: the core hooks.
 
     Lifecycle: `__init__` only stores the config; `setup()` creates the
     engine and must run before any other TensorFlow op (MultiWorkerMirrored
     requires that; virtual CPU devices must be configured before the runtime
     starts), then everything else may be called.
+
+    A new engine must implement `setup`, `num_replicas`, `distribute_dataset`,
+    `run` and `_all_reduce_sum`; the rest have defaults for one process
+    (sections below: lifecycle, topology, the model and its optimizer, data,
+    stepping, agreement and faults). What only some engines do is not here:
+    see `capabilities.py` (TensorSharding, ElasticMembership, ScheduledSteps,
+    ServingProcesses).
     """
 
     name: str = ""
@@ -117,6 +124,7 @@ class Strategy(abc.ABC):
         """One line naming the engine and its devices, for the start-up log."""
         return f"{self.name}: {self.num_replicas} replica(s)"
 
+    # -- the model, its optimizer, the run summary ---------------------------
     def on_optimizer_built(self, optimizer, variables) -> None:
         """Called once the optimizer is built on `variables` (its slots exist):
         an engine whose variables are split may replace its update steps."""
@@ -137,6 +145,7 @@ class Strategy(abc.ABC):
         """Raise `UsageError` for a loss or metric this engine cannot compute
         (`task` has been built and traced on plain tensors already)."""
 
+    # -- compiling and differentiating --------------------------------------
     def host_function(self, fn: Callable) -> Callable:
         """`fn` compiled for this engine, callable from the host.
 
@@ -219,6 +228,7 @@ class Strategy(abc.ABC):
 
         tf.cond(condition, apply, lambda: tf.constant(False))
 
+    # -- agreement between workers, faults ------------------------------------
     def any_worker(self, flag: bool) -> bool:
         """Whether `flag` is set on any worker (all workers call this together,
         between loops): one small collective where there are several processes."""
@@ -241,8 +251,7 @@ class Strategy(abc.ABC):
 
     def describe_fault(self, error: Exception) -> str:
         """One line naming what failed, for an engine error during training."""
-        text = str(getattr(error, "message", error)).strip().splitlines()
-        return f"worker {self.worker_index}: {type(error).__name__}: {text[0] if text else ''}"
+        return f"worker {self.worker_index}: {type(error).__name__}: {first_line(error)}"
 
     def broadcast_variables(self, variables) -> None:
         """Make every replica start from the chief's values (no-op where the
