@@ -7,6 +7,7 @@ missing Horovod fails these tests instead of skipping them.
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,9 +18,10 @@ import pytest
 
 from tfdist import checkpointing
 
-from common import PREDICTION_TOLERANCE, assert_variables_equal, run_config
-from conftest import BIN, REPO, run_cli, run_clis
-from test_multi_worker import assert_match_single_device, check_exact_resume, run_workers
+from common import (IMAGE_SPEC, PREDICTION_TOLERANCE, assert_variables_equal,
+                    assert_weights_close, mw_config, run_config, train_from)
+from conftest import BIN, REPO
+from test_nonfinite import BATCH as NAN_BATCH, STEPS as NAN_STEPS
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
 if not HAVE_HOROVOD and os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1":
@@ -30,20 +32,235 @@ HOROVODRUN = [os.path.join(BIN, "horovodrun"), "-np", "2", "-H", "localhost:2", 
 TRAIN = os.path.join(BIN, "tfdist-train")
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["multilabel", "tokens_ignore_class"])
-def test_two_ranks_train_keras_losses_and_metrics_like_one_device(tmp_path, case):
-    from test_tasks import run_case_workers
-    run_case_workers(HOROVODRUN, tmp_path, "horovod", case)
+class _Background:
+    """Runs started ahead of the tests that check them, so that they overlap
+    other runs: a run is mostly TensorFlow start-up and ranks waiting on each
+    other, and two horovodruns at once take less time on 2 cores than one
+    after the other (measured: the first mw_worker.py horovodrun and the
+    custom script's, ~45 s at once against ~60 s in turn). Each run keeps its
+    own bound (`timeout` seconds from its start); a test's `result` waits at
+    most that long. The tests that find ranks by process (dead rank, SIGTERM,
+    elastic) first wait for all of these (`finish_all`)."""
+
+    def __init__(self):
+        self.procs, self.results = {}, {}
+
+    def start(self, name, command, *, env=None, timeout=200):
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True,
+                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+        self.procs[name] = (proc, time.monotonic() + timeout)
+
+    def result(self, name):
+        """The CompletedProcess of run `name` (waited for, bounded)."""
+        if name not in self.results:
+            proc, deadline = self.procs.pop(name)
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            finally:
+                proc.kill()
+            self.results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self.results[name]
+
+    def finish_all(self):
+        for name in list(self.procs):
+            self.result(name)
+
+    def stop_all(self):
+        """Runs whose test did not run (deselected): terminated, then killed."""
+        for proc, _ in self.procs.values():
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+        self.procs.clear()
+
+
+@pytest.fixture(scope="module")
+def background():
+    runs = _Background()
+    yield runs
+    runs.stop_all()
+
+
+CUSTOM_SCRIPT_COMMAND = [*HOROVODRUN, sys.executable,
+                         os.path.join(REPO, "examples", "custom_script.py"), "--strategy=horovod",
+                         "--examples=2048", "--train_steps=120", "--global_batch_size=64"]
+
+
+def _checkpoint_args(data_dir, model_dir):
+    return ["--strategy=horovod", "--model=mlp", "--model_width=16", "--model_depth=1",
+            "--global_batch_size=32", "--train_steps=20", "--steps_per_loop=10",
+            "--grad_compression=fp16", f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+
+
+@pytest.fixture(scope="module")
+def early_runs(background, tmp_path_factory, data_dir):
+    """Started beside the first mw_worker.py horovodrun: the custom script's
+    horovodrun and the checkpoint test's. Returns the latter's model_dir."""
+    model_dir = str(tmp_path_factory.mktemp("hvd_checkpoint") / "run")
+    background.start("custom_script", CUSTOM_SCRIPT_COMMAND, timeout=200)
+    background.start("checkpoint", [*HOROVODRUN, TRAIN, *_checkpoint_args(data_dir, model_dir)],
+                     timeout=240)
+    return {"checkpoint_model_dir": model_dir}
+
+
+# -- The mw_worker.py runs (tests/hvd_driver.py: several in one horovodrun) ----------
+# A horovodrun is the expensive unit (seconds of TensorFlow start-up per rank),
+# so the runs of tests/mw_worker.py that the equivalence, Keras task, exact
+# resume and --on_nonfinite tests below check share two horovodruns: each
+# run is still a whole `tfdist.train` on 2 real ranks (a fresh engine, model,
+# optimizer and data pipeline; Horovod stays initialised between them, see
+# the driver), one after the other in the same rank processes. The second
+# horovodrun holds the runs that need the first's results (a resume from its
+# checkpoint, in fresh processes) or that end the ranks (--on_nonfinite=stop).
+
+SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4)
+TASK_CASES = ["multilabel", "tokens_ignore_class"]
+NONFINITE_MODES = ["stop", "skip", "rollback"]
+_LINE = re.compile(r"\[(\d+)\]<(stdout|stderr)>:(.*)")
+
+
+def _run_driver(tmp_path, jobs, timeout=200):
+    """Run `jobs` ({name: (initial weights, steps, mw_worker.py overrides)}), in
+    order, under one horovodrun of tests/hvd_driver.py. Returns {name:
+    (CompletedProcess of that job alone, its directory)}: its output is its own
+    lines of either rank (plus horovodrun's own lines while it was the last to
+    start), its returncode 0 if both ranks finished it, else horovodrun's."""
+    listed = []
+    for name, (initial, steps, overrides) in jobs.items():
+        out_dir = tmp_path / name
+        out_dir.mkdir()
+        np.savez(out_dir / "initial.npz", *initial)
+        listed.append([name, str(out_dir), str(steps), json.dumps(overrides)])
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run([*HOROVODRUN, sys.executable, "tests/hvd_driver.py",
+                             json.dumps(listed)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=timeout)
+    lines = {name: {"stdout": [], "stderr": []} for name in jobs}
+    ended = {name: set() for name in jobs}
+    for stream in ("stdout", "stderr"):
+        current, last = {}, None   # rank -> its job; the job a rank began last
+        for line in getattr(result, stream).splitlines():
+            match = _LINE.match(line)
+            if match:
+                rank, text = int(match.group(1)), match.group(3)
+                if text.startswith("hvd_driver: begin "):
+                    current[rank] = last = text.split()[-1]
+                elif text.startswith("hvd_driver: end "):
+                    ended[text.split()[-1]].add(rank)
+                job = current.get(rank)
+            else:
+                job = last
+            if job is not None:
+                lines[job][stream].append(line)
+    results = {}
+    for name in jobs:
+        finished = ended[name] == {0, 1}
+        assert finished or result.returncode != 0, (name, result.stderr[-3000:])
+        out, err = ("\n".join(lines[name][stream]) + "\n" for stream in ("stdout", "stderr"))
+        if not lines[name]["stderr"]:   # it never began: an earlier job failed
+            out, err = result.stdout, result.stderr
+        results[name] = (subprocess.CompletedProcess(
+            name, 0 if finished else result.returncode, out, err), tmp_path / name)
+    return results
+
+
+def _weights(out_dir, index):
+    return list(np.load(out_dir / f"weights-{index}.npz").values())
+
+
+def _nan_job(initial, out_dir, mode):
+    """test_nonfinite_cluster.run_nan_workers's run: the NaN data under `mode`,
+    a checkpoint every 4 steps into OUT_DIR/run."""
+    return (initial, NAN_STEPS, {"nan": True, "on_nonfinite": mode, "steps_per_loop": 4,
+                                 "checkpoint_every": 4, "model_dir": str(out_dir / "run"),
+                                 "global_batch_size": NAN_BATCH})
+
+
+@pytest.fixture(scope="module")
+def mw_initial():
+    """Initial weights of tests/mw_worker.py's model (mw_config's mlp)."""
+    from tfdist import models
+    return models.build(mw_config("horovod").model, IMAGE_SPEC).get_weights()
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, mw_initial, early_runs):
+    """The runs that need nothing else, in one horovodrun (beside early_runs)."""
+    from test_tasks import CASES
+    tmp_path = tmp_path_factory.mktemp("hvd_first")
+    jobs = {
+        "plain": (mw_initial, 10, {}),
+        "bucketed": (mw_initial, 10, {"reduce_bucket_mb": 0.001}),
+        "accumulating": (mw_initial, 10, {"accum_steps": 4}),
+        "every_feature": (mw_initial, 10, {"accum_steps": 2, "grad_compression": "fp16",
+                                           "precision": "mixed_bfloat16"}),
+        **{f"task_{case}": (CASES[case][0](None).get_weights(), 10, {"task": case})
+           for case in TASK_CASES},
+        **{f"nan_{mode}": _nan_job(mw_initial, tmp_path / f"nan_{mode}", mode)
+           for mode in ("skip", "rollback")},
+        "resume_straight": (mw_initial, 12, SHUFFLED),
+        "resume_first": (mw_initial, 8, {**SHUFFLED,
+                                         "model_dir": str(tmp_path / "resume_first" / "run")}),
+    }
+    return _run_driver(tmp_path, jobs)
+
+
+@pytest.fixture(scope="module")
+def second_run(tmp_path_factory, mw_initial, first_run, without_horovodrun):
+    """In fresh rank processes: the resume from first_run's checkpoint at
+    step 8, then --on_nonfinite=stop (it ends the ranks, so it is last).
+    Beside it: the single-process runs of without_horovodrun."""
+    tmp_path = tmp_path_factory.mktemp("hvd_second")
+    model_dir = str(first_run["resume_first"][1] / "run")
+    jobs = {"resume_resumed": (mw_initial, 12, {**SHUFFLED, "model_dir": model_dir}),
+            "nan_stop": _nan_job(mw_initial, tmp_path / "nan_stop", "stop")}
+    return _run_driver(tmp_path, jobs)
+
+
+@pytest.fixture(scope="module")
+def single_device(mw_initial):
+    """One device, the same global batches: what the 2 ranks must match."""
+    return train_from(mw_config("default", 10), mw_initial).model.get_weights()
+
+
+def _assert_ranks_match_single_device(run, single, initial):
+    """assert_match_single_device (test_multi_worker.py), the one-device run shared."""
+    result, out_dir = run
+    assert result.returncode == 0, result.stderr[-3000:]
+    workers = [_weights(out_dir, i) for i in (0, 1)]
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)  # the processes are identical, bit for bit
+    assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
+    assert_weights_close(workers[0], single, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.timeout(240)
-def test_custom_absl_script_under_horovodrun(tmp_path):
-    script = os.path.join(REPO, "examples", "custom_script.py")
-    result = subprocess.run([*HOROVODRUN, sys.executable, script, "--strategy=horovod",
-                             "--examples=2048", "--train_steps=120", "--global_batch_size=64"],
-                            cwd=REPO, capture_output=True, text=True, timeout=200,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+@pytest.mark.parametrize("case", TASK_CASES)
+def test_two_ranks_train_keras_losses_and_metrics_like_one_device(first_run, case):
+    """test_tasks.run_case_workers on the shared run."""
+    import tfdist
+    from test_tasks import run_case
+
+    result, out_dir = first_run[f"task_{case}"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    initial = list(np.load(out_dir / "initial.npz").values())
+    workers = [_weights(out_dir, i) for i in (0, 1)]
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)
+    single = run_case(tfdist.train, mw_config("default", 10), case, initial)
+    assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
+    chief = json.loads((out_dir / "summary-0.json").read_text())
+    for key in ["loss", "test_loss", *single.summary["metrics"]]:
+        np.testing.assert_allclose(chief[key], single.summary[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.timeout(240)
+def test_custom_absl_script_under_horovodrun(background, early_runs):
+    result = background.result("custom_script")   # CUSTOM_SCRIPT_COMMAND
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads(line[line.index("{"):]) for line in result.stdout.splitlines()
                  if "{" in line and '"strategy"' in line]
@@ -53,49 +270,131 @@ def test_custom_absl_script_under_horovodrun(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_resumed_ranks_read_exactly_the_batches_of_an_uninterrupted_run(tmp_path):
-    check_exact_resume(HOROVODRUN, "horovod", tmp_path)
+def test_resumed_ranks_read_exactly_the_batches_of_an_uninterrupted_run(first_run, second_run,
+                                                                        mw_initial):
+    """test_multi_worker.check_exact_resume on the shared runs: 12 steps
+    stopped at 8 (first horovodrun) and resumed in fresh processes (second)
+    equal 12 straight steps (shuffled data, fixed seed)."""
+    (straight_run, straight_dir), (first, first_dir) = (first_run["resume_straight"],
+                                                       first_run["resume_first"])
+    resumed, resumed_dir = second_run["resume_resumed"]
+    for result in (straight_run, first, resumed):
+        assert result.returncode == 0, result.stderr[-3000:]
+    model_dir = str(first_dir / "run")
+    assert checkpointing.saved_steps(model_dir)[-1] == 12
+    positions = sorted(os.listdir(os.path.join(checkpointing.checkpoint_dir(model_dir), "input")))
+    assert [p.split("-", 1)[1] for p in positions] == ["pipeline-0-of-2", "pipeline-1-of-2"]
+    assert "fresh permutation" not in resumed.stderr
+    straight = _weights(straight_dir, 0)
+    assert_weights_close(_weights(resumed_dir, 0), straight, rtol=0, atol=1e-6)
+    assert max(np.abs(w - i).max() for w, i in zip(straight, mw_initial)) > 1e-3
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_match_single_process(tmp_path):
-    workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod")
-    assert_match_single_device(workers, initial)
+def test_two_ranks_match_single_process(first_run, single_device, mw_initial):
+    _assert_ranks_match_single_device(first_run["plain"], single_device, mw_initial)
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_with_bucketed_reductions_match_single_process(tmp_path):
-    workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod", reduce_bucket_mb=0.001)
-    assert_match_single_device(workers, initial)
+def test_two_ranks_with_bucketed_reductions_match_single_process(first_run, single_device,
+                                                                 mw_initial):
+    _assert_ranks_match_single_device(first_run["bucketed"], single_device, mw_initial)
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_accumulating_match_one_big_batch(tmp_path):
-    workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod", accum_steps=4)
-    assert_match_single_device(workers, initial)
+def test_two_ranks_accumulating_match_one_big_batch(first_run, single_device, mw_initial):
+    _assert_ranks_match_single_device(first_run["accumulating"], single_device, mw_initial)
 
 
 @pytest.mark.timeout(240)
-def test_every_feature_at_once_keeps_ranks_identical(tmp_path):
-    workers, initial = run_workers(HOROVODRUN, tmp_path, "horovod", accum_steps=2,
-                                   grad_compression="fp16", precision="mixed_bfloat16")
+def test_every_feature_at_once_keeps_ranks_identical(first_run, mw_initial):
+    result, out_dir = first_run["every_feature"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    workers = [_weights(out_dir, i) for i in (0, 1)]
     for a, b in zip(*workers):
         np.testing.assert_array_equal(a, b)
     assert all(np.isfinite(w).all() for w in workers[0])
-    assert any(not np.array_equal(w, i) for w, i in zip(workers[0], initial))
+    assert any(not np.array_equal(w, i) for w, i in zip(workers[0], mw_initial))
+
+
+SINGLE_RANK_ARGS = ["--strategy=horovod", "--model=mlp", "--model_width=8", "--train_steps=2",
+                    "--steps_per_loop=2", "--global_batch_size=8"]
+ELASTIC_ALONE_ARGS = ["--strategy=horovod", "--elastic", "--model=mlp", "--model_width=8",
+                      "--train_steps=4", "--steps_per_loop=2", "--global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def without_horovodrun(background, early_runs, tmp_path_factory, data_dir):
+    """The single-process tfdist-train runs of the next three tests, started
+    together (each is mostly TensorFlow start-up) once the checkpoint test's
+    run has prepared data_dir. Returns their names."""
+    background.result("checkpoint")   # the first to use data_dir: it prepares the dataset
+    fake = tmp_path_factory.mktemp("fake") / "horovod"   # a Horovod that does not import
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named horovod (test)')\n")
+    train = [os.path.join(BIN, "tfdist-train")]
+    background.start("single_rank", [*train, *SINGLE_RANK_ARGS, f"--data_dir={data_dir}"],
+                     timeout=120)
+    background.start("elastic_alone", [*train, *ELASTIC_ALONE_ARGS, f"--data_dir={data_dir}"],
+                     timeout=120)
+    background.start("elastic_fixed", [*train, *ELASTIC_ALONE_ARGS, f"--data_dir={data_dir}"],
+                     env={"HOROVOD_RANK": "0"}, timeout=120)
+    background.start("not_installed", [*train, "--strategy=horovod", "--model=mlp",
+                                       "--train_steps=1"],
+                     env={"PYTHONPATH": str(fake.parent)}, timeout=60)
+    return background
+
+
+@pytest.mark.timeout(240)
+def test_without_horovodrun_it_is_a_single_rank(without_horovodrun):
+    result = without_horovodrun.result("single_rank")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["strategy"] == "horovod" and summary["replicas"] == 1
+    assert summary["steps"] == 2
+
+
+@pytest.mark.timeout(240)
+def test_elastic_without_horovodrun_is_one_rank_and_needs_an_elastic_horovodrun(
+        without_horovodrun):
+    """--elastic alone trains as one rank (committing every loop); under a
+    horovodrun with a fixed -np (HOROVOD_RANK set, no HOROVOD_ELASTIC) it is a
+    one-line error before training."""
+    alone, fixed = (without_horovodrun.result(name) for name in ("elastic_alone", "elastic_fixed"))
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    summary = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["replicas"] == 1
+    assert "elastic (commit every loop)" in alone.stderr
+    assert fixed.returncode == 2, fixed.stderr[-2000:]
+    errors = [line for line in fixed.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--elastic needs an elastic horovodrun" in errors[0]
+    assert "Traceback" not in fixed.stderr
+
+
+@pytest.mark.timeout(240)
+def test_without_horovod_says_how_to_build_it(without_horovodrun):
+    result = without_horovodrun.result("not_installed")
+    assert result.returncode == 2
+    errors = [l for l in result.stderr.splitlines() if "error:" in l]
+    assert len(errors) == 1 and "Horovod is not installed" in errors[0]
+    assert "make horovod" in errors[0]
+
+
+@pytest.mark.timeout(120)
+def test_build_script_reuses_what_is_built():
+    result = subprocess.run([os.path.join(REPO, "launch", "build_horovod.sh"),
+                             os.path.dirname(BIN)], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "already installed" in result.stdout + result.stderr
+    assert "nothing to do" in result.stdout + result.stderr
 
 
 @pytest.mark.timeout(300)
-def test_horovod_checkpoint_restores_under_default_and_mirrored(tmp_path, data_dir):
+def test_horovod_checkpoint_restores_under_default_and_mirrored(background, early_runs, data_dir):
     import tfdist
 
-    model_dir = str(tmp_path / "run")
-    args = ["--strategy=horovod", "--model=mlp", "--model_width=16", "--model_depth=1",
-            "--global_batch_size=32", "--train_steps=20", "--steps_per_loop=10",
-            "--grad_compression=fp16", f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=240)
+    model_dir = early_runs["checkpoint_model_dir"]
+    result = background.result("checkpoint")   # HOROVODRUN tfdist-train _checkpoint_args
     assert result.returncode == 0, result.stderr[-3000:]
     assert checkpointing.saved_steps(model_dir) == [20]
     assert sorted(os.listdir(model_dir)) == ["checkpoints", "run.json", "summary.json", "tensorboard"]
@@ -137,6 +436,14 @@ def _training_pids():
     return found
 
 
+def _assert_no_rank_left(within_s=1.0):
+    """No rank process is left within `within_s` seconds (polled: done as soon as true)."""
+    deadline = time.monotonic() + within_s
+    while (pids := _training_pids()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids == {}, pids
+
+
 def _rank_pid(rank):
     pids = _training_pids()
     assert sorted(pids) == [0, 1], pids
@@ -144,7 +451,8 @@ def _rank_pid(rank):
 
 
 @pytest.mark.timeout(180)
-def test_dead_rank_ends_the_job(tmp_path, data_dir):
+def test_dead_rank_ends_the_job(tmp_path, data_dir, background):
+    background.finish_all()   # no other rank of this module's runs may be about
     args = ["--strategy=horovod", "--model=mlp", "--train_steps=1000000", "--steps_per_loop=10",
             "--global_batch_size=32", f"--data_dir={data_dir}", "--log_every=10"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}
@@ -162,69 +470,21 @@ def test_dead_rank_ends_the_job(tmp_path, data_dir):
     finally:
         proc.kill()
     assert proc.returncode != 0
-    time.sleep(1)
-    assert _training_pids() == {}
-
-
-def test_without_horovodrun_it_is_a_single_rank(data_dir):
-    result = run_cli(["--strategy=horovod", "--model=mlp", "--model_width=8", "--train_steps=2",
-                      "--steps_per_loop=2", "--global_batch_size=8", f"--data_dir={data_dir}"],
-                     timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["strategy"] == "horovod" and summary["replicas"] == 1
-    assert summary["steps"] == 2
-
-
-def test_elastic_without_horovodrun_is_one_rank_and_needs_an_elastic_horovodrun(data_dir):
-    """--elastic alone trains as one rank (committing every loop); under a
-    horovodrun with a fixed -np (HOROVOD_RANK set, no HOROVOD_ELASTIC) it is a
-    one-line error before training."""
-    args = ["--strategy=horovod", "--elastic", "--model=mlp", "--model_width=8",
-            "--train_steps=4", "--steps_per_loop=2", "--global_batch_size=8",
-            f"--data_dir={data_dir}"]
-    alone, fixed = run_clis([args, args], envs=[{}, {"HOROVOD_RANK": "0"}], timeout=120)
-    assert alone.returncode == 0, alone.stderr[-2000:]
-    summary = json.loads(alone.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 4 and summary["replicas"] == 1
-    assert "elastic (commit every loop)" in alone.stderr
-    assert fixed.returncode == 2, fixed.stderr[-2000:]
-    errors = [line for line in fixed.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "--elastic needs an elastic horovodrun" in errors[0]
-    assert "Traceback" not in fixed.stderr
-
-
-def test_without_horovod_says_how_to_build_it(tmp_path):
-    fake = tmp_path / "fake" / "horovod"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('No module named horovod (test)')\n")
-    result = run_cli(["--strategy=horovod", "--model=mlp", "--train_steps=1"], timeout=60,
-                     env={"PYTHONPATH": str(tmp_path / "fake")})
-    assert result.returncode == 2
-    errors = [l for l in result.stderr.splitlines() if "error:" in l]
-    assert len(errors) == 1 and "Horovod is not installed" in errors[0]
-    assert "make horovod" in errors[0]
-
-
-@pytest.mark.timeout(120)
-def test_build_script_reuses_what_is_built():
-    result = subprocess.run([os.path.join(REPO, "launch", "build_horovod.sh"),
-                             os.path.dirname(BIN)], capture_output=True, text=True, timeout=100)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "already installed" in result.stdout + result.stderr
-    assert "nothing to do" in result.stdout + result.stderr
+    _assert_no_rank_left()
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_path, data_dir):
+def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_path, data_dir,
+                                                                         background):
     """A rank is preempted: both ranks agree (a collective), save the same step,
     exit 143; horovodrun ends; running it again finishes at the requested step."""
+    background.finish_all()
     from test_reliability import _preempted_steps
 
     model_dir = str(tmp_path / "run")
     args = ["--strategy=horovod", "--model=mlp", "--model_width=32", "--global_batch_size=32",
             "--steps_per_loop=10", "--checkpoint_every=20", "--keep_checkpoints=100",
-            "--train_steps=200", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+            "--train_steps=100", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
             "--preemption_grace_s=20"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env,
@@ -251,7 +511,7 @@ def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_pat
                            text=True, timeout=200)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     saved = checkpointing.saved_steps(model_dir)
-    assert saved == sorted(set(saved)) and saved[-1] == 200
+    assert saved == sorted(set(saved)) and saved[-1] == 100
 
 
 def _elastic_horovodrun(tmp_path, *, cooldown_s=None):
@@ -275,12 +535,11 @@ def _elastic_horovodrun(tmp_path, *, cooldown_s=None):
 
 
 @pytest.mark.timeout(300)
-def test_elastic_survives_a_killed_rank_and_takes_it_back(tmp_path, data_dir):
+def test_elastic_survives_a_killed_rank_and_takes_it_back(tmp_path, data_dir, background):
     """2 ranks; SIGKILL rank 1 mid-run: rank 0 rolls back to its last commit,
     goes on alone, takes a new rank back when the host returns (after the
     blacklist cooldown), and the run ends at the requested step."""
-    import re
-
+    background.finish_all()
     steps, commit_every = 600, 20
     model_dir = str(tmp_path / "run")
     args = ["--strategy=horovod", "--elastic", f"--elastic_commit_every={commit_every}",
@@ -317,19 +576,25 @@ def test_elastic_survives_a_killed_rank_and_takes_it_back(tmp_path, data_dir):
     assert summaries[0]["elastic_reforms"] == len(regrouped)
     assert np.isfinite(summaries[0]["loss"])
     assert checkpointing.saved_steps(model_dir)[-1] == steps
-    time.sleep(1)
-    assert _training_pids() == {}
+    _assert_no_rank_left()
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["stop", "skip", "rollback"])
-def test_on_nonfinite_under_two_ranks(tmp_path, mode):
+@pytest.mark.parametrize("mode", NONFINITE_MODES)
+def test_on_nonfinite_under_two_ranks(first_run, second_run, mode):
     """--on_nonfinite with a NaN at one step (tests/test_nonfinite_cluster.py,
     there under multi_worker): stop ends both ranks with one line naming the
     step; skip and rollback finish with both ranks identical."""
-    from test_nonfinite_cluster import check_rollback, check_skip, check_stop, run_nan_workers
+    from test_nonfinite_cluster import check_rollback, check_skip, check_stop
 
-    result, model_dir, finished, initial = run_nan_workers(HOROVODRUN, tmp_path, "horovod", mode)
+    result, out_dir = (second_run if mode == "stop" else first_run)[f"nan_{mode}"]
+    initial = list(np.load(out_dir / "initial.npz").values())
+    finished = []
+    for index in (0, 1):
+        weights, summary = out_dir / f"weights-{index}.npz", out_dir / f"summary-{index}.json"
+        finished.append(None if not weights.exists() else (
+            list(np.load(weights).values()), json.loads(summary.read_text())))
+    model_dir = str(out_dir / "run")
     if mode == "stop":
         check_stop(result, model_dir, finished, "rank")
     elif mode == "skip":
