@@ -11,6 +11,12 @@ test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
 OUT_DIR/weights-<worker>.npz (and, with a task or "nan", summary-<worker>.json).
 Errors end the process as tfdist-train's do (`tfdist.app.run`): a fault is one
 line, `mw_worker.py: fault: ...`, exit status 1.
+
+TRAIN_OVERRIDES_JSON may also be a list: one process (one TensorFlow start-up,
+one cluster) then makes each of those runs in turn, run k in OUT_DIR/k (its
+own initial.npz there, else OUT_DIR's; its outputs there), each with a fresh
+strategy on collective keys of its own. A run that fails
+(e.g. --on_nonfinite=stop) ends the process, so it must be the last.
 """
 
 import dataclasses
@@ -25,8 +31,60 @@ from common import mw_config, train_from  # noqa: E402
 
 
 def main(out_dir, strategy, steps, overrides="{}"):
-    initial = list(np.load(os.path.join(out_dir, "initial.npz")).values())
     overrides = json.loads(overrides)
+    if isinstance(overrides, list):
+        import tensorflow as tf
+        from tfdist.strategies.multi_worker import MultiWorkerStrategy
+
+        create = MultiWorkerStrategy._create
+        run_dir = None
+
+        def create_then_wait(self):
+            # A new strategy re-enables collective ops (a new server
+            # definition): no worker may start this run's collectives while a
+            # peer still has the previous run's (they would be lost: a hang).
+            strategy = create(self)
+            _barrier(run_dir, "created")
+            return strategy
+
+        MultiWorkerStrategy._create = create_then_wait
+        for k, run in enumerate(overrides):
+            # Each run's MultiWorkerMirroredStrategy its own collective keys:
+            # TensorFlow caches a collective's shape and type by its keys, and
+            # every new strategy would start from the same ones (TensorFlow's
+            # own multi-strategy tests set this base the same way).
+            tf.distribute.MultiWorkerMirroredStrategy._collective_key_base = 10000 * k
+            run_dir = os.path.join(out_dir, str(k))
+            if not os.path.exists(os.path.join(run_dir, "initial.npz")):
+                os.makedirs(run_dir, exist_ok=True)
+                run = {**run, "initial_from": out_dir}
+            _main(run_dir, strategy, steps, run)
+            _barrier(run_dir, "done")
+        return
+    _main(out_dir, strategy, steps, overrides)
+
+
+def _barrier(run_dir, name, timeout_s=120):
+    """Mark this worker's arrival at `name` in run_dir and wait for every
+    worker's (the workers share the file system)."""
+    import time
+    config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    cluster = config.get("cluster", {})
+    count = len(cluster.get("chief", ())) + len(cluster.get("worker", ())) or 1
+    task = config.get("task", {"type": "worker", "index": 0})
+    me = task["index"] + (len(cluster.get("chief", ())) if task["type"] == "worker" else 0)
+    open(os.path.join(run_dir, f"{name}-{me}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(run_dir, f"{name}-{i}")) for i in range(count)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the other workers did not reach {name} of {run_dir} in "
+                               f"{timeout_s}s")
+        time.sleep(0.05)
+
+
+def _main(out_dir, strategy, steps, overrides):
+    initial_dir = overrides.pop("initial_from", out_dir)
+    initial = list(np.load(os.path.join(initial_dir, "initial.npz")).values())
     strategy_fields = overrides.pop("strategy", {})   # StrategyConfig fields, e.g. mesh
     model_fields = overrides.pop("model", {})
     data_fields = overrides.pop("data", {})

@@ -48,43 +48,98 @@ def run_workers(launcher_args, tmp_path, engine, steps=10, **train):
     return [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)], initial
 
 
-def assert_match_single_device(workers, initial, steps=10):
+def assert_match_single_device(workers, initial, steps=10, single=None):
+    """`single`: the weights of the same run on 1 device, if already computed."""
     for a, b in zip(*workers):
         np.testing.assert_array_equal(a, b)  # the processes are identical, bit for bit
-    single = train_from(mw_config("default", steps), initial)  # same global batches, 1 device
+    if single is None:   # same global batches, 1 device
+        single = train_from(mw_config("default", steps), initial).model.get_weights()
     assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
-    assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
+    assert_weights_close(workers[0], single, rtol=1e-4, atol=1e-6)
+
+
+# Every run below on one 2-worker cluster: each worker process makes them in
+# turn (tests/mw_worker.py with a list), so the cluster's TensorFlow start-up
+# (seconds per process) is paid once, not once per run. Each run builds its
+# own strategy, model and optimizer from scratch, as in a fresh process.
+SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4)
+CLUSTER_RUNS = {
+    "plain": {},
+    # 4 micro-batches per update on each of 2 workers == one step on the global batch.
+    "accumulating": {"accum_steps": 4},
+    # --reduce_bucket_mb: one collective per ~1 kB bucket, issued as the
+    # backward pass produces it; the sums are the same.
+    "bucketed": {"reduce_bucket_mb": 0.001},
+    "batch_norm": {"model": {"name": "cnn", "width": 4, "depth": 1}},
+    "every_feature": {"accum_steps": 2, "grad_compression": "bf16",
+                      "precision": "mixed_float16"},
+    # check_exact_resume's uninterrupted 12 steps and its first 8 (the resumed
+    # 4 run in a fresh cluster: the position must come from the checkpoint).
+    "straight": {**SHUFFLED, "train_steps": 12},
+    "first": {**SHUFFLED, "train_steps": 8, "model_dir": None},   # model_dir: the fixture's
+}
+
+
+@pytest.fixture(scope="module")
+def cluster_runs(tmp_path_factory):
+    """CLUSTER_RUNS on one `tfdist-launch --workers=2` cluster: name -> (each
+    worker's final weights, the initial weights); "model_dir" -> the "first"
+    run's model_dir; "single" -> the 10 steps of "plain" on 1 device."""
+    directory = tmp_path_factory.mktemp("cluster_runs")
+    model_dir = str(directory / "run")
+    initial = models.build(mw_config("multi_worker").model, IMAGE_SPEC).get_weights()
+    np.savez(directory / "initial.npz", *initial)
+    runs = []
+    initials = {}
+    for k, (name, overrides) in enumerate(CLUSTER_RUNS.items()):
+        overrides = dict(overrides)
+        if "model" in overrides:   # another model: its own initial weights
+            model = dataclasses.replace(mw_config("multi_worker").model, **overrides["model"])
+            os.makedirs(directory / str(k))
+            initials[name] = models.build(model, IMAGE_SPEC).get_weights()
+            np.savez(directory / str(k) / "initial.npz", *initials[name])
+        if "model_dir" in overrides:
+            overrides["model_dir"] = model_dir
+        runs.append(overrides)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run([LAUNCH, "--workers=2", "--", sys.executable, "tests/mw_worker.py",
+                             str(directory), "multi_worker", "10", json.dumps(runs)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = {"model_dir": model_dir}
+    for k, name in enumerate(CLUSTER_RUNS):
+        found[name] = ([list(np.load(directory / str(k) / f"weights-{i}.npz").values())
+                        for i in (0, 1)], initials.get(name, initial))
+    found["single"] = train_from(mw_config("default", 10), initial).model.get_weights()
+    return found
 
 
 @pytest.mark.timeout(240)
-def test_two_workers_match_single_process(tmp_path):
-    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker")
-    assert_match_single_device(workers, initial)
+def test_two_workers_match_single_process(cluster_runs):
+    workers, initial = cluster_runs["plain"]
+    assert_match_single_device(workers, initial, single=cluster_runs["single"])
 
 
 @pytest.mark.timeout(240)
-def test_two_workers_accumulating_match_one_big_batch(tmp_path):
+def test_two_workers_accumulating_match_one_big_batch(cluster_runs):
     """4 micro-batches per update on each of 2 workers == one step on the global batch."""
-    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker",
-                                   accum_steps=4)
-    assert_match_single_device(workers, initial)
+    workers, initial = cluster_runs["accumulating"]
+    assert_match_single_device(workers, initial, single=cluster_runs["single"])
 
 
 @pytest.mark.timeout(240)
-def test_two_workers_with_bucketed_reductions_match_single_process(tmp_path):
+def test_two_workers_with_bucketed_reductions_match_single_process(cluster_runs):
     """--reduce_bucket_mb: one collective per ~1 kB bucket, issued as the
     backward pass produces it; the sums are the same."""
-    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker",
-                                   reduce_bucket_mb=0.001)
-    assert_match_single_device(workers, initial)
+    workers, initial = cluster_runs["bucketed"]
+    assert_match_single_device(workers, initial, single=cluster_runs["single"])
 
 
 @pytest.mark.timeout(240)
-def test_batch_norm_statistics_are_averaged_across_workers(tmp_path):
+def test_batch_norm_statistics_are_averaged_across_workers(cluster_runs):
     """The cnn's BatchNorm moving statistics (one copy per worker) are
     averaged over workers once per loop: the workers end bit-identical."""
-    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker",
-                                   model={"name": "cnn", "width": 4, "depth": 1})
+    workers, initial = cluster_runs["batch_norm"]
     for a, b in zip(*workers):
         np.testing.assert_array_equal(a, b)
     moved = [np.abs(w - i).max() for w, i in zip(workers[0], initial)]
@@ -92,12 +147,10 @@ def test_batch_norm_statistics_are_averaged_across_workers(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_every_feature_at_once_keeps_workers_identical(tmp_path):
+def test_every_feature_at_once_keeps_workers_identical(cluster_runs):
     """The feature matrix's multi-process corner: mixed precision with loss
     scaling, accumulation, compression together; the workers must agree."""
-    workers, initial = run_workers([LAUNCH, "--workers=2", "--"], tmp_path, "multi_worker",
-                                   accum_steps=2, grad_compression="bf16",
-                                   precision="mixed_float16")
+    workers, initial = cluster_runs["every_feature"]
     for a, b in zip(*workers):
         np.testing.assert_array_equal(a, b)
     assert all(np.isfinite(w).all() for w in workers[0])
@@ -119,45 +172,61 @@ def _wait_for_checkpoint(model_dir, proc, deadline_s=150):
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(300)
-def test_killed_worker_stops_everything(tmp_path, data_dir):
+# The kill lands at the first checkpoint (step 20); 4 more checkpoints after
+# the restart show none is lost or repeated (each save costs ~1 s loaded).
+RESTART_STEPS = 100
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
+@pytest.mark.timeout(400)
+def test_killed_worker_stops_everything_and_a_restart_resumes_and_finishes_exactly(
+        tmp_path, data_dir):
+    """One launch, --max_restarts=1: worker 1 is killed after the first
+    checkpoint; every worker of that attempt is stopped within the collective
+    timeout and the launcher names the killed one; the restarted group resumes
+    and finishes exactly, no checkpoint step lost or repeated."""
     model_dir = str(tmp_path / "run")
-    proc = _launch(["--workers=2"], _long_run(model_dir, data_dir, ["--train_steps=100000"]),
-                   timeout=300)
+    out_path, err_path = tmp_path / "launch.out", tmp_path / "launch.err"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([LAUNCH, "--workers=2", "--max_restarts=1", "--",
+                                 *_long_run(model_dir, data_dir,
+                                            [f"--train_steps={RESTART_STEPS}"])],
+                                cwd=REPO, env=env, stdout=out, stderr=err, text=True)
     try:
-        _wait_for_checkpoint(model_dir, proc)
+        deadline = time.monotonic() + 150
+        while not checkpointing.saved_steps(model_dir):
+            assert proc.poll() is None, _read(err_path)[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.1)
         workers = sorted(_children(proc.pid))
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         killed_at = time.monotonic()
-        _, err = proc.communicate(timeout=20 + 15)
-        stopped_after = time.monotonic() - killed_at
+        # The launcher logs the restart once every worker of the attempt is gone.
+        while "restarting all workers (restart 1 of 1)" not in _read(err_path):
+            assert proc.poll() is None, _read(err_path)[-3000:]
+            # collective_timeout_s + margin (a hang fails the test)
+            assert time.monotonic() - killed_at < 20 + 10, _read(err_path)[-3000:]
+            time.sleep(0.1)
+        for pid in workers:
+            assert not os.path.exists(f"/proc/{pid}") or \
+                open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        proc.wait(timeout=350)
     finally:
         proc.kill()
-    assert proc.returncode != 0
+    out, err = _read(out_path), _read(err_path)
     assert "worker 1 was killed by signal SIGKILL" in err, err[-3000:]
-    assert stopped_after < 20 + 10  # collective_timeout_s + margin (a hang fails the test)
-    for pid in workers:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-
-
-@pytest.mark.timeout(400)
-def test_restart_resumes_and_finishes_exactly(tmp_path, data_dir):
-    model_dir = str(tmp_path / "run")
-    proc = _launch(["--workers=2", "--max_restarts=1"],
-                   _long_run(model_dir, data_dir, ["--train_steps=200"]), timeout=400)
-    try:
-        _wait_for_checkpoint(model_dir, proc)
-        os.kill(sorted(_children(proc.pid))[1], signal.SIGKILL)
-        out, err = proc.communicate(timeout=350)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    assert "restarting all workers (restart 1 of 1)" in err
     summary = json.loads([l for l in out.splitlines() if l.startswith("[worker 0] {")][-1]
                          .split(" ", 2)[2])
-    assert summary["steps"] == 200 and summary["workers"] == 2
-    assert checkpointing.saved_steps(model_dir) == list(range(20, 201, 20))  # none lost or repeated
+    assert summary["steps"] == RESTART_STEPS and summary["workers"] == 2
+    # none lost or repeated
+    assert checkpointing.saved_steps(model_dir) == list(range(20, RESTART_STEPS + 1, 20))
     assert sorted(os.listdir(model_dir)) == ["checkpoints", "run.json", "summary.json", "tensorboard"]
 
 
@@ -195,8 +264,19 @@ def check_exact_resume(launcher, engine, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_resumed_workers_read_exactly_the_batches_of_an_uninterrupted_run(tmp_path):
-    check_exact_resume([LAUNCH, "--workers=2", "--"], "multi_worker", tmp_path)
+def test_resumed_workers_read_exactly_the_batches_of_an_uninterrupted_run(cluster_runs, tmp_path):
+    """check_exact_resume, its uninterrupted 12 steps and its first 8 made on
+    the module's cluster (cluster_runs), the resumed 4 by a fresh cluster."""
+    (straight, _), initial = cluster_runs["straight"]
+    model_dir = cluster_runs["model_dir"]
+    positions = sorted(os.listdir(os.path.join(checkpointing.checkpoint_dir(model_dir), "input")))
+    assert [p.split("-", 1)[1] for p in positions] == ["pipeline-0-of-2", "pipeline-1-of-2"]
+    resumed, err = _workers_train([LAUNCH, "--workers=2", "--"], "multi_worker",
+                                  str(tmp_path / "resumed"), initial, 12, model_dir=model_dir,
+                                  **SHUFFLED)
+    assert "fresh permutation" not in err
+    assert_weights_close(resumed, straight, rtol=0, atol=1e-6)
+    assert max(np.abs(w - i).max() for w, i in zip(straight, initial)) > 1e-3
 
 
 BAD_TF_CONFIGS = [
@@ -225,6 +305,19 @@ def test_bad_tf_config_is_rejected(text, message):
     assert message in str(caught.value)
 
 
+def _free_ports(n):
+    """n ports free now on localhost (bound and released by this process)."""
+    import socket
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def test_bad_tf_config_exits_2_without_waiting(tmp_path):
     cases = BAD_TF_CONFIGS[::3]
     args = ["--strategy=multi_worker", "--model=mlp", "--train_steps=1"]
@@ -249,7 +342,8 @@ def test_worker_hosts_writes_tf_config():
 
 @pytest.mark.timeout(120)
 def test_peer_that_never_starts_fails_within_timeout(tmp_path):
-    tf_config = json.dumps({"cluster": {"worker": ["localhost:23986", "localhost:23987"]},
+    mine, peer = _free_ports(2)   # not fixed: another test's cluster may run meanwhile
+    tf_config = json.dumps({"cluster": {"worker": [f"localhost:{mine}", f"localhost:{peer}"]},
                             "task": {"type": "worker", "index": 0}})
     started = time.monotonic()
     result = run_cli(["--strategy=multi_worker", "--model=mlp", "--train_steps=1",
@@ -257,4 +351,4 @@ def test_peer_that_never_starts_fails_within_timeout(tmp_path):
     assert result.returncode != 0
     assert time.monotonic() - started < 8 + 30
     assert ("the cluster did not form within --collective_timeout_s=8s; unreachable: "
-            "worker 1 (localhost:23987)") in result.stderr
+            f"worker 1 (localhost:{peer})") in result.stderr

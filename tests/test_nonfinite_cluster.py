@@ -2,7 +2,9 @@
 (Horovod's 2 ranks: tests/test_horovod.py), the NaN of test_nonfinite.py
 injected at step NAN_STEP (tests/mw_worker.py {"nan": true}). Every worker sees
 the same reduced loss, so every worker takes the same decision. One launch
-per mode; each is 2 TensorFlow processes, so the assertions share it."""
+per mode for Horovod; here one launch makes all three modes in turn (each
+worker process runs skip, rollback, then stop: tests/mw_worker.py with a
+list), so the 2 processes' TensorFlow start-up is paid once."""
 
 import json
 import os
@@ -96,20 +98,55 @@ def check_rollback(result, model_dir, finished):
     assert "rolled back to" in result.stdout + result.stderr
 
 
+MODES = ("skip", "rollback", "stop")   # stop ends the processes: last
+
+
+@pytest.fixture(scope="module")
+def mode_runs(tmp_path_factory):
+    """run_nan_workers for every mode of MODES on one 2-worker launch: mode ->
+    (CompletedProcess, model_dir, finished, initial). A mode's process result
+    is the launch's if the processes ended in it, else (they went on to the
+    next mode, so both returned from it) exit status 0."""
+    from tfdist import models
+
+    directory = tmp_path_factory.mktemp("nonfinite")
+    initial = models.build(mw_config("multi_worker").model, IMAGE_SPEC).get_weights()
+    np.savez(directory / "initial.npz", *initial)
+    runs = [{"nan": True, "on_nonfinite": mode, "steps_per_loop": 4, "checkpoint_every": 4,
+             "model_dir": str(directory / mode), "global_batch_size": BATCH} for mode in MODES]
+    result = subprocess.run([*LAUNCH, sys.executable, "tests/mw_worker.py", str(directory),
+                             "multi_worker", str(STEPS), json.dumps(runs)], cwd=REPO,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                            capture_output=True, text=True, timeout=220)
+    found = {}
+    for k, mode in enumerate(MODES):
+        finished = []
+        for index in (0, 1):
+            weights = directory / str(k) / f"weights-{index}.npz"
+            summary = directory / str(k) / f"summary-{index}.json"
+            finished.append(None if not weights.exists() else (
+                list(np.load(weights).values()), json.loads(summary.read_text())))
+        ended_here = k == len(MODES) - 1 or None in finished
+        status = result.returncode if ended_here else 0
+        found[mode] = (subprocess.CompletedProcess(result.args, status, result.stdout,
+                                                   result.stderr),
+                       str(directory / mode), finished, initial)
+    return found
+
+
 @pytest.mark.timeout(240)
-def test_stop_ends_every_worker_with_one_line(tmp_path):
-    result, model_dir, finished, _ = run_nan_workers(LAUNCH, tmp_path, "multi_worker", "stop")
+def test_stop_ends_every_worker_with_one_line(mode_runs):
+    result, model_dir, finished, _ = mode_runs["stop"]
     check_stop(result, model_dir, finished, "worker")
 
 
 @pytest.mark.timeout(240)
-def test_skip_agrees_on_every_worker(tmp_path):
-    result, _, finished, initial = run_nan_workers(LAUNCH, tmp_path, "multi_worker", "skip")
+def test_skip_agrees_on_every_worker(mode_runs):
+    result, _, finished, initial = mode_runs["skip"]
     check_skip(result, finished, initial)
 
 
 @pytest.mark.timeout(240)
-def test_rollback_finishes_on_every_worker(tmp_path):
-    result, model_dir, finished, _ = run_nan_workers(LAUNCH, tmp_path, "multi_worker",
-                                                     "rollback")
+def test_rollback_finishes_on_every_worker(mode_runs):
+    result, model_dir, finished, _ = mode_runs["rollback"]
     check_rollback(result, model_dir, finished)

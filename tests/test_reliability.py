@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -68,11 +69,20 @@ def _finish(command, model_dir, steps=300):
     assert saved == sorted(set(saved)) and saved[-1] == steps, saved
 
 
-@pytest.mark.timeout(300)
-def test_sigterm_saves_exits_143_and_a_rerun_finishes(tmp_path, data_dir):
-    model_dir = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def preempted_default(tmp_path_factory, data_dir):
+    """A default-strategy run SIGTERMed once a checkpoint exists: (its
+    command, model_dir, stderr, seconds from the signal to its exit). Its
+    checkpoint also sizes the full-disk test's tmpfs (same model flags)."""
+    model_dir = str(tmp_path_factory.mktemp("preempted") / "run")
     command = _args("default", model_dir, data_dir)
     err, seconds = _sigterm_after_checkpoint(command, model_dir, timeout=GRACE_S + 10)
+    return command, model_dir, err, seconds
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_saves_exits_143_and_a_rerun_finishes(preempted_default):
+    command, model_dir, err, seconds = preempted_default
     assert seconds < GRACE_S
     [step] = _preempted_steps(err)
     assert step % 10 == 0 and step in checkpointing.saved_steps(model_dir)
@@ -81,40 +91,66 @@ def test_sigterm_saves_exits_143_and_a_rerun_finishes(tmp_path, data_dir):
     _finish(command, model_dir)
 
 
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def _wait_until(condition, proc, err_path, deadline_s, what):
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert proc.poll() is None, _read(err_path)[-3000:]
+        assert time.monotonic() < deadline, f"{what} within {deadline_s}s\n" + \
+            _read(err_path)[-3000:]
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(400)
-def test_sigterm_to_one_worker_stops_all_at_one_step_and_launch_restarts(tmp_path, data_dir):
-    """Kubernetes evicts one pod: both workers save the same step, exit 143, and
-    tfdist-launch --max_restarts resumes the group to the requested step."""
+def test_sigterm_to_one_worker_then_to_launch_stops_all_at_one_step_restarts_and_reruns(
+        tmp_path, data_dir):
+    """One launch (--max_restarts=1), the two preemptions in turn.
+    Kubernetes evicts one pod: both workers save the same step, exit 143, and
+    tfdist-launch restarts the group, which resumes from that step. Then
+    SIGTERM to tfdist-launch: it stops the group with 143 within the grace
+    period, both workers saving one step; a re-run finishes at exactly the
+    requested step, no saved step going backwards."""
     model_dir = str(tmp_path / "run")
-    proc = _start([LAUNCH, "--workers=2", "--max_restarts=1", "--",
-                   *_args("multi_worker", model_dir, data_dir)])
+    # 200 steps: the launcher's SIGTERM lands at the restarted group's first
+    # checkpoint (step 100), 100 steps and 2 checkpoints before the end.
+    total = 200
+    command = [LAUNCH, "--workers=2", "--max_restarts=1", "--",
+               *_args("multi_worker", model_dir, data_dir, steps=total)]
+    err_path = tmp_path / "launch.err"
+    with open(tmp_path / "launch.out", "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=err, text=True)
     try:
-        _wait_for_checkpoint(model_dir, proc)
+        _wait_until(lambda: checkpointing.saved_steps(model_dir), proc, err_path, 150,
+                    "no checkpoint")
         workers = sorted(_children(proc.pid))
         os.kill(workers[1], signal.SIGTERM)
-        out, err = proc.communicate(timeout=300)
+        _wait_until(lambda: "restarting all workers" in _read(err_path), proc, err_path, 120,
+                    "no restart")
+        evicted = _preempted_steps(_read(err_path))
+        assert len(evicted) == 2 and evicted[0] == evicted[1], _read(err_path)[-3000:]
+        assert "worker 1 exited with status 143" in _read(err_path)
+        assert evicted[0] in checkpointing.saved_steps(model_dir)
+        # The restarted group resumes: a checkpoint after the evicted step.
+        _wait_until(lambda: checkpointing.saved_steps(model_dir)[-1] > evicted[0], proc,
+                    err_path, 150, "no checkpoint after the restart")
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        proc.wait(timeout=GRACE_S + 20)
+        seconds = time.monotonic() - sent
     finally:
         proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    steps = _preempted_steps(err)
-    assert len(steps) == 2 and steps[0] == steps[1], err[-3000:]   # both, at one step
-    assert "worker 1 exited with status 143" in err and "restarting all workers" in err
-    summary = json.loads([l for l in out.splitlines() if l.startswith("[worker 0] {")][-1]
-                         .split(" ", 2)[2])
-    assert summary["steps"] == 300
-    saved = checkpointing.saved_steps(model_dir)
-    assert steps[0] in saved and saved == sorted(set(saved)) and saved[-1] == 300
-
-
-@pytest.mark.timeout(400)
-def test_sigterm_to_launch_stops_the_group_with_143_and_a_rerun_finishes(tmp_path, data_dir):
-    model_dir = str(tmp_path / "run")
-    command = [LAUNCH, "--workers=2", "--", *_args("multi_worker", model_dir, data_dir)]
-    err, seconds = _sigterm_after_checkpoint(command, model_dir, timeout=GRACE_S + 20)
+    err = _read(err_path)
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
     assert seconds < GRACE_S + 5
-    steps = _preempted_steps(err)
-    assert len(steps) == 2 and steps[0] == steps[1], err[-3000:]
-    _finish(command, model_dir)
+    steps = _preempted_steps(err)[2:]
+    assert len(steps) == 2 and steps[0] == steps[1] > evicted[0], err[-3000:]
+    saved = checkpointing.saved_steps(model_dir)
+    assert steps[0] in saved and saved == sorted(set(saved)), saved
+    _finish(command, model_dir, steps=total)
 
 
 def _mount_tmpfs(path, size_bytes):
@@ -126,21 +162,22 @@ def _mount_tmpfs(path, size_bytes):
 
 
 @pytest.mark.timeout(300)
-def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, data_dir):
+def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, data_dir,
+                                                                         preempted_default):
     """--model_dir fills up: the run ends with one fault line naming the step
     that could not be saved; the previous checkpoint is intact and readable."""
     import tensorflow as tf
 
-    probe_dir = tmp_path / "probe"
-    args = ["--strategy=default", "--model=mlp", "--model_width=16", "--model_depth=1",
-            "--global_batch_size=16", "--steps_per_loop=10", "--checkpoint_every=10",
+    # The model flags of _args: preempted_default's checkpoints size the disk.
+    _, probe_dir, _, _ = preempted_default
+    args = ["--strategy=default", "--model=mlp", "--model_width=32",
+            "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=10",
             "--keep_checkpoints=100", f"--data_dir={data_dir}"]
-    probe = subprocess.run([TRAIN, *args, "--train_steps=10", f"--model_dir={probe_dir}"],
-                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0, probe.stderr[-2000:]
     # A checkpoint: the model's files and the input position saved beside them.
+    first = checkpointing.saved_steps(probe_dir)[0]
     size = sum(os.path.getsize(p) for p in
-               (probe_dir / "checkpoints").rglob("ckpt-10.*"))
+               (Path(probe_dir) / "checkpoints").rglob(f"ckpt-{first}.*"))
+    assert size > 0
     model_dir = tmp_path / "small"
     _mount_tmpfs(model_dir, int(2.6 * size) + 64 * 1024)   # two checkpoints and the logs
     try:
