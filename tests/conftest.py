@@ -99,6 +99,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)   # stable: the order within a file is kept
 
 
+@pytest.hookimpl(tryfirst=True)   # before the module's fixtures start horovodruns
 def pytest_runtest_setup(item):
     if os.path.basename(str(item.fspath)) == "test_horovod.py":
         wait_for_horovod_build()
