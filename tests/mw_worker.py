@@ -33,7 +33,6 @@ from common import mw_config, train_from  # noqa: E402
 def main(out_dir, strategy, steps, overrides="{}"):
     overrides = json.loads(overrides)
     if isinstance(overrides, list):
-        import tensorflow as tf
         from tfdist.strategies.multi_worker import MultiWorkerStrategy
 
         create = MultiWorkerStrategy._create
@@ -49,11 +48,8 @@ def main(out_dir, strategy, steps, overrides="{}"):
 
         MultiWorkerStrategy._create = create_then_wait
         for k, run in enumerate(overrides):
-            # Each run's MultiWorkerMirroredStrategy its own collective keys:
-            # TensorFlow caches a collective's shape and type by its keys, and
-            # every new strategy would start from the same ones (TensorFlow's
-            # own multi-strategy tests set this base the same way).
-            tf.distribute.MultiWorkerMirroredStrategy._collective_key_base = 10000 * k
+            # (Each run's strategy gets its own collective keys from tfdist:
+            # compat.next_collective_key_base.)
             run_dir = os.path.join(out_dir, str(k))
             if not os.path.exists(os.path.join(run_dir, "initial.npz")):
                 os.makedirs(run_dir, exist_ok=True)

@@ -414,3 +414,17 @@ def test_first_line():
     assert first_line(ValueError("x" * 400)) == "x" * 300
     assert first_line(tf.errors.UnknownError(None, None, "from message\nline 2")) == \
         "from message"
+
+
+def test_each_multi_worker_strategy_gets_its_own_collective_keys(monkeypatch):
+    """Without it a second MultiWorkerMirroredStrategy in one process reuses the
+    first's group keys (tests/test_multi_worker.py trains several runs per
+    worker process on it); with a stand-in lacking the name, one loud line."""
+    cls = tf.distribute.MultiWorkerMirroredStrategy
+    monkeypatch.setattr(cls, "_collective_key_base", cls._collective_key_base)
+    compat.next_collective_key_base(cls)
+    first = cls._collective_key_base
+    compat.next_collective_key_base(cls)
+    assert cls._collective_key_base == first + compat.COLLECTIVE_KEY_STRIDE
+    with pytest.raises(compat.UpstreamChanged, match="_collective_key_base"):
+        compat.next_collective_key_base(type("NoBase", (), {"__module__": cls.__module__}))

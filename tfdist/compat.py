@@ -114,6 +114,38 @@ def strategy_supports_no_merge_call() -> bool:
     return answer
 
 
+# -- multi_worker: one process, several MultiWorkerMirroredStrategy ----------------
+COLLECTIVE_KEY_STRIDE = 10000   # group keys one strategy may use
+_strategies_made = 0
+
+
+def next_collective_key_base(strategy_class) -> None:
+    """Give the next MultiWorkerMirroredStrategy made in this process its own
+    collective keys.
+
+    What: the class attribute `_collective_key_base` of
+    `tf.distribute.MultiWorkerMirroredStrategy`, which its extended reads
+    when a strategy is created (`group_key_start=1 + base`).
+    Why: every new strategy starts its collective group keys from the same
+    base, and TensorFlow's collective executor caches a collective's shape
+    and type by its keys: a second multi_worker run in one process (the
+    Python API, or a test that trains several times per worker) fails with a
+    shape mismatch or hangs. TensorFlow's own multi-strategy tests set this
+    base the same way (strategy_combinations.py). Every worker must make its
+    strategies in the same order, as they do when each calls `tfdist.train`
+    the same number of times. Verified: tensorflow 2.21.0.
+    Check: the attribute exists and the extended still reads it.
+    """
+    global _strategies_made
+    what = "tf.distribute.MultiWorkerMirroredStrategy._collective_key_base"
+    _require(strategy_class, "_collective_key_base", what)
+    extended = _require(sys.modules[strategy_class.__module__],
+                        "CollectiveAllReduceExtended", what)
+    _require_called(extended, "__init__", "_collective_key_base", what)
+    strategy_class._collective_key_base = COLLECTIVE_KEY_STRIDE * _strategies_made
+    _strategies_made += 1
+
+
 # -- parameter servers (BUILD_NOTES "ParameterServerStrategy with Keras 3") ----
 
 def sharded_variable_type() -> type:

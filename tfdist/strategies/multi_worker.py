@@ -15,7 +15,7 @@ import signal
 
 import tensorflow as tf
 
-from tfdist import cluster
+from tfdist import cluster, compat
 from tfdist.errors import UsageError
 from tfdist.strategies import watchdog
 from tfdist.strategies.tf_distribute import TFDistributeStrategy
@@ -113,6 +113,7 @@ class MultiWorkerStrategy(TFDistributeStrategy):
                     config.collective_timeout_s,
                     f"{me}: the cluster did not form within --collective_timeout_s="
                     f"{config.collective_timeout_s:g}s", peers(self._spec)):
+                compat.next_collective_key_base(tf.distribute.MultiWorkerMirroredStrategy)
                 strategy = tf.distribute.MultiWorkerMirroredStrategy(
                     cluster_resolver=resolver, communication_options=options)
         except RuntimeError as error:
