@@ -77,7 +77,17 @@ def test_a_new_flag_without_a_group_is_caught_and_still_shown():
 # -- the rendered text ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def train_help():
-    return tfdist_help.program_help("tfdist-train", description="Train.")
+    """Rendered for a 101-column terminal (help wraps to the terminal's width;
+    an xdist worker has none, and 80 columns would wrap the longest entries)."""
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "101"
+    try:
+        return tfdist_help.program_help("tfdist-train", description="Train.")
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
 
 
 def test_help_lists_each_flag_once_under_its_group(train_help):
