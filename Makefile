@@ -39,7 +39,7 @@ test: $(STAMP)
 	@tests/run_suite.sh $(VENV)
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests -m 'not integration'
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests -m 'not integration and not slow'
 
 # Every benchmark, one after the other; each prints its rows as it measures
 # them and stays under ~10 minutes on a slow 2-core CPU. The sections collect

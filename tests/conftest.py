@@ -57,6 +57,8 @@ def run_clis(arg_lists, *, timeout=300, envs=None):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: starts real processes (slower)")
+    config.addinivalue_line("markers", "slow: in-process but long (accuracy runs, XLA "
+                                       "compiles); left out of `make unit`")
 
 
 # -- the Horovod build beside the suite (tests/run_suite.sh) ----------------------

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from absl import flags
 from absl.testing import flagsaver
 
@@ -26,6 +28,7 @@ def test_flagfile_values_and_overrides():
     assert config.train.train_steps == 7  # a later flag overrides the flagfile
 
 
+@pytest.mark.slow
 def test_demo_reaches_90_percent_on_a_shortened_run(data_dir):
     config = _demo_config("--train_steps=100", f"--data_dir={data_dir}")
     summary = tfdist.train(config).summary
@@ -51,6 +54,7 @@ def test_readme_documents_every_flag():
     assert not missing, f"README flag reference lacks {missing}"
 
 
+@pytest.mark.slow
 def test_mixed_precision_reaches_fp32_accuracy(data_dir):
     """bf16 and fp16 (loss-scaled) runs end within 2 points of float32 test
     accuracy: the transformer on the bundled token dataset, trained to its

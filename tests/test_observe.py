@@ -121,6 +121,7 @@ def test_fused_optimizer_update_keeps_each_variables_slots():
     assert_weights_close(results[1], results[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_jit_compile_with_accumulation_and_recompute():
     """The transformer with recomputed blocks, 2 micro-batches, under XLA."""
     def train(jit):
