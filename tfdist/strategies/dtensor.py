@@ -166,6 +166,7 @@ class DTensorStrategy(Strategy, TensorSharding):
                                multi_worker.peers(spec)), logs.quiet_absl():
             dtensor.initialize_accelerator_system(
                 device_type, num_logical_cpu_devices=None if gpus else local)
+        watchdog.announce_server(spec.task_type, spec.task_index, spec.address)
         with logs.quiet_absl():
             self.mesh = dtensor.create_distributed_mesh(
                 list(sharding.parse_mesh(config.mesh)), device_type=device_type)

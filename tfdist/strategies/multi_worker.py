@@ -126,6 +126,8 @@ class MultiWorkerStrategy(TFDistributeStrategy):
             raise
         # TensorFlow's worker order: the chief (if any) first, then the workers.
         resolver = strategy.cluster_resolver
+        watchdog.announce_server(resolver.task_type, resolver.task_id, resolver.cluster_spec()
+                                 .task_address(resolver.task_type, resolver.task_id))
         tasks = resolver.cluster_spec().as_dict()
         self._num_workers = len(tasks.get("chief", ())) + len(tasks.get("worker", ()))
         self._worker_index = 0 if resolver.task_type == "chief" else (

@@ -159,6 +159,7 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
             except tf.errors.OpError as error:   # e.g. its port is taken
                 raise UsageError(f"{_task_name(spec, *self._task)}: cannot start its server: "
                                  f"{_gist(error)}") from None
+            watchdog.announce_server(*self._task, spec.address)
             return
         num_ps = len(spec.cluster["ps"])
         std_logging.getLogger("tensorflow").addFilter(_CLOSURE_ERRORS)
@@ -173,6 +174,7 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
             self._strategy = tf.distribute.ParameterServerStrategy(
                 resolver, variable_partitioner=partitioner)
             self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self._strategy)
+        watchdog.announce_server(*self._task, spec.address)   # the coordinator's server
         self._optimizer = None
         self._steps_by_worker = collections.Counter()
         self._staleness_sum, self._updates, self._staleness_max = 0, 0, 0

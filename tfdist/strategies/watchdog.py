@@ -14,6 +14,11 @@ coordination-service heartbeat "Deadline Exceeded"), a TCP connect to each
 peer's host:port does: "Connection refused" (the process is gone, the host
 answers), "Network is unreachable" (this host's link is down), "No route to
 host" or "timed out" (no answer: the peer's link or host is down).
+
+`announce_server` prints, from every process that starts TensorFlow's gRPC
+server, the port it listens on and who can reach it: the server binds every
+interface and authenticates nothing (README "Security"), unless tfdist-launch
+confined the cluster to a private network namespace with only loopback.
 """
 
 from __future__ import annotations
@@ -51,6 +56,34 @@ def unreachable(peers, timeout: float = PROBE_TIMEOUT_S) -> list:
         thread.join(timeout + 1.0)
     return [f"{name}: {reason}" for (name, _, _), reason in zip(peers, reasons)
             if reason is not None]
+
+
+def _interfaces() -> list:
+    """This process's network interfaces (its network namespace's), or [] if unknown."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            return [line.split(":")[0].strip() for line in f.read().splitlines()[2:]]
+    except OSError:
+        return []
+
+
+def announce_server(task_type: str, task_index: int, address: str, *,
+                    prog: str = "tfdist-train") -> str:
+    """Print (and return) one line: this task's server at `address` listens on its
+    port of every interface, reachable from the network, unless this process's
+    network namespace has only loopback (as under tfdist-launch --network=private)."""
+    port = address.rpartition(":")[2]
+    if _interfaces() == ["lo"]:
+        whose = ("tfdist-launch's private network namespace"
+                 if os.environ.get("TFDIST_NETWORK") == "private" else "a network namespace")
+        reach = f"only inside {whose} (loopback only: unreachable from other hosts)"
+    else:
+        reach = "of every interface (unauthenticated; see README \"Security\")"
+    line = (f"{prog}: {task_type} {task_index} ({address}): TensorFlow's gRPC server "
+            f"listens on port {port} {reach}")
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    return line
 
 
 def _watch(parent: int, seconds: float, payload: dict) -> None:
