@@ -1,5 +1,7 @@
 """tfdist-launch: TF_CONFIG per worker, prefixed output, fail-fast with every
-worker gone, restarts, signal forwarding, ports in use skipped, bad usage exit 2.
+worker gone, restarts, signal forwarding, ports in use skipped, bad usage exit 2,
+and --network: the cluster's own loopback-only network namespace (as root, as
+an unprivileged user, refused by the kernel).
 
 Workers are tiny `python -c` scripts (no TensorFlow), so each test takes about a
 second. Workers hand their pids to the test through files in tmp_path, so the
@@ -8,6 +10,8 @@ test can check by pid that the launcher really ended them.
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import BIN
+from conftest import BIN, REPO
 
 pytestmark = pytest.mark.integration
 
@@ -193,7 +197,8 @@ def test_port_base_skips_a_port_in_use(tmp_path):
     with socket.socket() as held:
         held.bind(("localhost", 0))
         taken = held.getsockname()[1]
-        result, _ = launch(["--workers=2", f"--port_base={taken}"],
+        # This host's network: in a private one the port would be free.
+        result, _ = launch(["--workers=2", f"--port_base={taken}", "--network=host"],
                            "print(os.environ['TF_CONFIG'])", tmp_path)
     assert result.returncode == 0, result.stderr
     ports = [int(a.split(":")[1]) for a in tf_configs(result.stdout)[0]["cluster"]["worker"]]
@@ -238,6 +243,11 @@ def test_interrupt_is_forwarded_and_not_restarted(tmp_path, signum):
     (["--workers=2", "--host=no-such-host.invalid", "--", "true"], "--host=no-such-host.invalid"),
     (["--workers=2", "--bogus", "--", "true"], "unrecognized arguments: --bogus"),
     (["--workers=2", "--", "/no/such/command"], "cannot run '/no/such/command'"),
+    (["--workers=2", "--network=bogus", "--", "true"],
+     "argument --network: invalid choice: 'bogus' (choose from 'auto', 'private', 'host')"),
+    (["--workers=2", "--host=0.0.0.0", "--network=private", "--", "true"],
+     "--network=private: cannot confine the cluster: --host=0.0.0.0 is not a loopback address "
+     "(0.0.0.0); use --host=localhost or --network=host"),
 ])
 def test_bad_usage_exits_2_with_one_line(args, message):
     result = subprocess.run([LAUNCH, *args], capture_output=True, text=True, timeout=20)
@@ -254,3 +264,177 @@ def test_help_works_and_tensorflow_is_never_imported():
     assert result.returncode == 0 and "--workers" in result.stdout, result.stderr
     check = "import sys, tfdist_launch; assert 'tensorflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", check], check=True, timeout=20)
+
+
+
+
+# -- --network: a private network namespace with only loopback -------------------
+# Each worker says which network it has, then listens on its TF_CONFIG port on
+# every interface (as TensorFlow's server does) until the test has probed it.
+LISTENS = """
+    ifs = [l.split(":")[0].strip() for l in open("/proc/self/net/dev").read().splitlines()[2:]]
+    print("network", os.environ["TFDIST_NETWORK"], ",".join(ifs), flush=True)
+    import socket
+    port = int(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][IDX].rpartition(":")[2])
+    server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    mark(f"listening{IDX}")
+    wait_for("probed")
+"""
+CLUSTER_LINE = re.compile(r"^tfdist-launch: (warning: )?cluster: (.*?); (.*)$")
+
+
+def cluster_line(line):
+    """(warning?, [(role, index, address)], the rest) of the launcher's start-up line."""
+    found = CLUSTER_LINE.match(line.rstrip("\n"))
+    assert found, line
+    tasks = [(role, int(index), address) for role, index, address in
+             (task.split(" ") for task in found[2].split(", "))]
+    return bool(found[1]), tasks, found[3]
+
+
+def answers(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def networks(stdout):
+    """{worker index: (TFDIST_NETWORK, its interfaces)} from the workers' lines."""
+    found = re.findall(r"^\[worker (\d)\] network (\w+) (\S+)$", stdout, re.M)
+    return {int(i): (network, interfaces.split(",")) for i, network, interfaces in found}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("network", ["auto", "host"])
+def test_network_confines_the_cluster_or_shares_this_hosts(tmp_path, network):
+    """auto (the default): the launcher and its workers have a network namespace
+    of their own with loopback only, whose ports this namespace cannot reach;
+    host: they share this host's network."""
+    proc = subprocess.Popen([LAUNCH, "--workers=2", f"--network={network}", "--",
+                             *worker_cmd(LISTENS, tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        warning, tasks, rest = cluster_line(proc.stderr.readline())   # its first line
+        while not all((tmp_path / f"listening{i}").exists() for i in (0, 1)):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        ports = [int(address.rpartition(":")[2]) for _, _, address in tasks]
+        reached = [answers(port) for port in ports]
+        own_namespace = os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        (tmp_path / "probed").write_text("")
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert [(role, index) for role, index, _ in tasks] == [("worker", 0), ("worker", 1)]
+    assert all(address.startswith("localhost:") for _, _, address in tasks), tasks
+    if network == "auto" and warning:
+        pytest.skip(f"this machine cannot confine a cluster: {rest}")
+    seen = networks(out)
+    assert sorted(seen) == [0, 1], out
+    if network == "auto":
+        assert not warning and rest == ("confined to a private network namespace (loopback "
+                                        "only: unreachable from other hosts)"), rest
+        assert own_namespace and reached == [False, False], (own_namespace, reached)
+        assert all(found == ("private", ["lo"]) for found in seen.values()), seen
+    else:
+        assert not warning and rest == (
+            "on this host's network (--network=host): TensorFlow's gRPC servers listen on ports "
+            f"{ports[0]}, {ports[1]} of every interface, unauthenticated (see README "
+            '"Security")'), rest
+        assert not own_namespace and reached == [True, True], (own_namespace, reached)
+        assert all(net == "host" and len(ifs) > 1 for net, ifs in seen.values()), seen
+
+
+@pytest.mark.timeout(30)
+def test_a_non_loopback_host_is_not_confined_and_says_so(tmp_path):
+    result, _ = launch(["--workers=2", "--host=0.0.0.0"], "print('ran', flush=True)", tmp_path)
+    assert result.returncode == 0, result.stderr
+    warning, tasks, rest = cluster_line(result.stderr.splitlines()[0])
+    ports = [address.rpartition(":")[2] for _, _, address in tasks]
+    assert warning and rest == (
+        f"reachable from the network: TensorFlow's gRPC servers listen on ports {ports[0]}, "
+        f"{ports[1]} of every interface, unauthenticated (see README \"Security\"); not "
+        "confined: --host=0.0.0.0 is not a loopback address (0.0.0.0)"), rest
+
+
+def _python_for_nobody():
+    """A Python interpreter that user nobody can run, also from a process of its own
+    (as the launcher runs its workers), or None."""
+    check = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'pass'], check=True)"
+    for python in (os.path.realpath(sys.executable), shutil.which("python3", path="/usr/bin")):
+        if python and subprocess.run(AS_NOBODY + [python, "-c", check],
+                                     capture_output=True, timeout=20).returncode == 0:
+            return python
+    return None
+
+
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+SLEEPS = ("import json, os, time; idx = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+          "ifs = [l.split(':')[0].strip() for l in open('/proc/self/net/dev').readlines()[2:]]; "
+          "print('pid', os.getpid(), os.getuid(), os.environ['TFDIST_NETWORK'], ','.join(ifs), "
+          "flush=True); time.sleep(600)")
+
+
+@pytest.mark.timeout(40)
+def test_an_unprivileged_user_gets_a_user_namespace_and_sigterm_still_stops_all():
+    """As `nobody`: the launcher makes a user namespace owning the network one
+    (where the kernel allows it); the workers keep nobody's uid and no
+    privileges, and SIGTERM from outside stops every one of them."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the launcher as nobody")
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip("no Python interpreter here that user nobody may run")
+    launcher = os.path.join(REPO, "launch", "tfdist_launch.py")
+    proc = subprocess.Popen(AS_NOBODY + [python, "-I", launcher, "--workers=2", "--grace_s=5",
+                                         "--", python, "-c", SLEEPS],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        lines = [proc.stdout.readline() for _ in (0, 1)]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    warning, _, rest = cluster_line(err.splitlines()[0])
+    if warning:
+        pytest.skip(f"this kernel refuses unprivileged user namespaces: {rest}")
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert rest.startswith("confined to a private network namespace"), rest
+    workers = [line.split()[2:] for line in lines]   # after "[worker i]"
+    assert all(w[0] == "pid" and w[2:] == ["65534", "private", "lo"] for w in workers), lines
+    assert all(gone(int(w[1])) for w in workers), lines
+
+
+REFUSED = ("echo 0 > /proc/sys/user/max_user_namespaces && "
+           'exec setpriv --bounding-set=-all --inh-caps=-all "$@"')
+
+
+@pytest.mark.timeout(30)
+def test_a_kernel_that_refuses_namespaces_gets_a_warning_or_exit_2_with_private(tmp_path):
+    """No capabilities and no user namespaces allowed (nested in a user
+    namespace of the test's own whose limit is 0): auto warns in one line
+    naming the exposed ports and why, and runs; --network=private exits 2."""
+    base = ["unshare", "--user", "--map-root-user", "sh", "-c", REFUSED, "sh"]
+    if shutil.which("setpriv") is None or subprocess.run(
+            base + ["true"], capture_output=True, timeout=20).returncode != 0:
+        pytest.skip("cannot build a user namespace without capabilities here (util-linux "
+                    "unshare and setpriv, unprivileged user namespaces)")
+    auto = subprocess.run(base + [LAUNCH, "--workers=2", "--", *worker_cmd("pass", tmp_path)],
+                          capture_output=True, text=True, timeout=20)
+    private = subprocess.run(base + [LAUNCH, "--workers=2", "--network=private", "--", "true"],
+                             capture_output=True, text=True, timeout=20)
+    assert auto.returncode == 0, auto.stderr
+    warning, tasks, rest = cluster_line(auto.stderr.splitlines()[0])
+    ports = ", ".join(address.rpartition(":")[2] for _, _, address in tasks)
+    refusal = ("unshare(CLONE_NEWNET): Operation not permitted (needs root), and the kernel "
+               "refuses an unprivileged user namespace: unshare(CLONE_NEWUSER|CLONE_NEWNET): ")
+    assert warning and rest.startswith(
+        f"reachable from the network: TensorFlow's gRPC servers listen on ports {ports} of every "
+        f"interface, unauthenticated (see README \"Security\"); not confined: {refusal}"), rest
+    assert private.returncode == 2 and private.stdout == "", private.stderr
+    [line] = private.stderr.splitlines()
+    assert line.startswith(f"tfdist-launch: error: --network=private: cannot confine the "
+                           f"cluster: {refusal}") and line.endswith("; use --network=host"), line
