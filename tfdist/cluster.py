@@ -1,4 +1,4 @@
-"""Cluster topology: TF_CONFIG validation, `--worker_hosts`, virtual CPU devices.
+"""Cluster topology: TF_CONFIG validation, `--worker_hosts`, Slurm, virtual CPU devices.
 
 TF_CONFIG is checked here, in plain Python, before TensorFlow starts: a bad
 cluster description must fail in one line at once, not after a worker has
@@ -13,6 +13,7 @@ import os
 import socket
 from typing import Optional
 
+from tfdist import slurm
 from tfdist.errors import UsageError
 
 # MultiWorkerMirroredStrategy runs chief and worker tasks; parameter servers
@@ -155,15 +156,12 @@ def tf_config_from_hosts(worker_hosts, task_index: Optional[int]) -> str:
                        "task": {"type": "worker", "index": task_index}})
 
 
-def in_slurm_job(environ=os.environ) -> bool:
-    return "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ
-
-
 def resolve(worker_hosts=(), task_index: Optional[int] = None,
             environ=os.environ) -> Optional[ClusterSpec]:
-    """This process's cluster: from --worker_hosts (written to TF_CONFIG), or TF_CONFIG.
+    """This process's cluster: from --worker_hosts (written to TF_CONFIG), from
+    TF_CONFIG, or from the Slurm job step it runs in (also written to TF_CONFIG).
 
-    None when neither is given (the caller may then ask Slurm).
+    None when there is none of these (a single process).
     """
     if worker_hosts:
         text = tf_config_from_hosts(worker_hosts, task_index)
@@ -176,8 +174,26 @@ def resolve(worker_hosts=(), task_index: Optional[int] = None,
         raise UsageError(f"--task_index={task_index} needs --worker_hosts")
     text = environ.get("TF_CONFIG")
     if not text:
-        return None
+        return _from_slurm(environ)
     return parse_tf_config(text)
+
+
+def _from_slurm(environ) -> Optional[ClusterSpec]:
+    """The cluster of this Slurm job step (tfdist/slurm.py says why not
+    TensorFlow's SlurmClusterResolver); None outside Slurm. Written to
+    TF_CONFIG, which MultiWorkerMirroredStrategy reads."""
+    task = slurm.task_from_environ(environ)
+    if task is None:
+        return None
+    host = task.address.rpartition(":")[0]
+    if not _is_local(host):
+        raise UsageError(f"{task.job}, rank {task.rank}: Slurm node name {host!r} is not an "
+                         "address of this machine; tfdist uses the node names of "
+                         "SLURM_STEP_NODELIST as host names, so they must resolve to the "
+                         "nodes (or set TF_CONFIG yourself)")
+    slurm.check_port_free(task)
+    environ["TF_CONFIG"] = task.tf_config()
+    return parse_tf_config(environ["TF_CONFIG"], check_local=False)
 
 
 # -- local devices ------------------------------------------------------------

@@ -5,7 +5,8 @@ a value (PerReplica...)"); tfdist's custom loop runs the same Keras 3 models
 with `strategy.run`, so workers stay in sync step by step.
 
 The cluster comes from TF_CONFIG (validated in `tfdist.cluster` before
-TensorFlow starts), from `--worker_hosts/--task_index`, or from Slurm.
+TensorFlow starts), from `--worker_hosts/--task_index`, or from the Slurm job
+step (`tfdist.slurm`, written to TF_CONFIG).
 """
 
 from __future__ import annotations
@@ -92,15 +93,16 @@ class MultiWorkerStrategy(TFDistributeStrategy):
 
     def _create(self):
         config = self.config
+        # TF_CONFIG, --worker_hosts or the Slurm step, always as TF_CONFIG (read by
+        # the strategy's default resolver): TensorFlow's SlurmClusterResolver
+        # fails on CPU nodes and misnumbers tasks (tfdist/slurm.py).
         self._spec = cluster.resolve(config.worker_hosts, config.task_index)
-        resolver = None
         if self._spec is None:
-            if not cluster.in_slurm_job():
-                raise UsageError(
-                    "--strategy=multi_worker needs a cluster: set TF_CONFIG, pass "
-                    "--worker_hosts=h1:port,h2:port with --task_index=i, run under Slurm "
-                    "(srun), or start local workers with `tfdist-launch --workers=N -- ...`")
-            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
+            raise UsageError(
+                "--strategy=multi_worker needs a cluster: set TF_CONFIG, pass "
+                "--worker_hosts=h1:port,h2:port with --task_index=i, start one task per "
+                "worker with srun in a Slurm job (launch/slurm/tfdist.sbatch), or start "
+                "local workers with `tfdist-launch --workers=N -- ...`")
         options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=config.bytes_per_pack,
             timeout_seconds=config.collective_timeout_s,
@@ -115,7 +117,7 @@ class MultiWorkerStrategy(TFDistributeStrategy):
                     f"{config.collective_timeout_s:g}s", peers(self._spec)):
                 compat.next_collective_key_base(tf.distribute.MultiWorkerMirroredStrategy)
                 strategy = tf.distribute.MultiWorkerMirroredStrategy(
-                    cluster_resolver=resolver, communication_options=options)
+                    communication_options=options)
         except RuntimeError as error:
             if "initialized" in str(error) or "startup" in str(error):
                 raise UsageError(
