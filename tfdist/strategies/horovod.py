@@ -2,7 +2,9 @@
 
     horovodrun -np 2 -H localhost:2 --gloo tfdist-train --strategy=horovod ...
 
-Without horovodrun the process runs as a single rank. Horovod 0.28.1 does not
+Without horovodrun the process runs as a single rank; several srun tasks
+without horovodrun would each be one (a usage error, see
+`_check_not_split_by_srun`). Horovod 0.28.1 does not
 build against current TensorFlow as published; `make horovod` builds it
 (launch/build_horovod.sh, see BUILD_NOTES.md). Its `DistributedGradientTape`
 calls `.ref()` on its sources, which Keras 3 variables lack, so this adapter
@@ -27,6 +29,7 @@ import os
 import tensorflow as tf
 from absl import logging
 
+from tfdist import slurm
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import ElasticMembership
@@ -45,6 +48,52 @@ def _import_horovod():
         raise UsageError(f"--strategy=horovod: Horovod cannot be loaded "
                          f"({str(error).splitlines()[0]}); rebuild it with `make horovod`") from None
     return hvd  # the import loads Horovod's TensorFlow ops library: it was built with TF
+
+
+# horovodrun sets some of these in every rank it starts (fixed or elastic, Gloo).
+# An MPI launch (e.g. srun's PMI) is judged by the rank count MPI finds.
+HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_HOSTNAME",
+                        "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_ELASTIC")
+
+
+def _check_not_split_by_srun(hvd, environ, *, initialised: bool) -> None:
+    """A UsageError for `srun -n N tfdist-train --strategy=horovod` that would
+    make N one-rank jobs.
+
+    Without horovodrun, a Horovod built without MPI (Gloo only, as `make
+    horovod` builds it) runs each srun task as a one-rank job that believes it
+    is the chief: N copies train alone and all write the same --model_dir.
+    Checked before `hvd.init` when Horovod has no MPI, and after it when MPI
+    still found one rank (srun without a working PMI, e.g. `--mpi=none`).
+    """
+    tasks = slurm.step_tasks(environ)
+    if tasks < 2 or any(name in environ for name in HOROVODRUN_VARIABLES):
+        return
+    if initialised and hvd.size() > 1:
+        return
+    if not initialised and hvd.mpi_built():
+        return   # MPI may find the step's ranks through srun's PMI: see after init
+    if initialised:
+        hvd.shutdown()
+    why = "sees 1 rank" if initialised else "was built without MPI"
+    raise UsageError(
+        f"--strategy=horovod under srun with {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}), "
+        f"not started by horovodrun, and Horovod {why}: each task would train alone as "
+        "its own chief, all writing --model_dir; run horovodrun in one srun task, e.g. "
+        f"`srun --ntasks=1 horovodrun -np {tasks} -H {_horovod_hosts(environ, tasks)} "
+        "--gloo tfdist-train --strategy=horovod ...`, or use --strategy=multi_worker "
+        "(one srun task per worker)")
+
+
+def _horovod_hosts(environ, tasks: int) -> str:
+    """horovodrun's -H for this step ("node9:2,node10:2"), or a sketch of it."""
+    try:
+        task = slurm.task_from_environ(environ)
+    except UsageError:
+        task = None
+    if task is None:
+        return f"host1:{tasks}"
+    return ",".join(f"{host}:{count}" for host, count in zip(task.hosts, task.tasks_per_node))
 
 
 class HorovodStrategy(Strategy, ElasticMembership):
@@ -66,7 +115,9 @@ class HorovodStrategy(Strategy, ElasticMembership):
             # which first has to import TensorFlow (10-20 s on a loaded host);
             # past Gloo's timeout (30 s) they abort (gloo::IoException).
             os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(ELASTIC_GLOO_TIMEOUT_S))
+        _check_not_split_by_srun(hvd, os.environ, initialised=False)
         hvd.init()
+        _check_not_split_by_srun(hvd, os.environ, initialised=True)
         if launched_elastic and not self.config.elastic and hvd.rank() == 0:
             logging.warning("an elastic horovodrun without --elastic: a rank that fails still "
                             "ends the run")
