@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tfdist-installed
 
-.PHONY: demo test unit install horovod bench clean
+.PHONY: demo test unit install horovod slurm bench clean
 
 install: $(STAMP)
 
@@ -30,6 +30,15 @@ horovod: $(STAMP)
 	@command -v cmake >/dev/null && command -v g++ >/dev/null && command -v make >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make; }
 	launch/build_horovod.sh $(VENV)
+
+# A one-node Slurm on this machine, to submit launch/slurm/tfdist.sbatch to:
+# Debian's slurm-wlm and munge (installed when missing; root), started with its
+# state in $TFDIST_SLURM_DIR (default /tmp/tfdist-slurm); it prints the
+# SLURM_CONF to export. Stop it with `launch/slurm/local_slurm.sh stop`.
+# tests/test_slurm.py starts (and stops) its own.
+slurm:
+	@launch/slurm/local_slurm.sh install
+	@launch/slurm/local_slurm.sh start
 
 # One pytest run, two xdist workers, with the Horovod build (2-4 minutes on
 # a fresh 2-core machine, seconds once cached) beside it; the Horovod tests
