@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from tfdist import cluster, slurm
 from tfdist.errors import UsageError
@@ -119,7 +120,7 @@ def test_cyclic_distribution_is_refused_naming_the_variables():
     message = str(error.value)
     assert "\n" not in message
     for part in ("SLURM_PROCID=1", "SLURM_NODEID=1", "SLURM_LOCALID=0",
-                 "SLURM_DISTRIBUTION=cyclic", "--distribution=block"):
+                 "SLURM_DISTRIBUTION='cyclic'", "--distribution=block"):
         assert part in message
 
 
@@ -160,6 +161,25 @@ def test_a_malformed_variable_is_one_line_naming_it(changes, variable, problem):
         slurm.task_from_environ(step_env(1, **changes))
     message = str(error.value)
     assert "\n" not in message and variable in message and problem in message, message
+
+
+STEP_VARIABLES = sorted(step_env(1)) + ["TFDIST_SLURM_PORT_BASE", "SLURM_DISTRIBUTION"]
+SLURM_LIKE = st.text(alphabet="node0123456789[]-,()x \n", max_size=24)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(STEP_VARIABLES), SLURM_LIKE | st.text(max_size=16))
+def test_any_value_is_a_cluster_or_one_line_naming_the_variable(variable, value):
+    """Fuzzed: whatever one variable holds, the result is a consistent cluster
+    or a UsageError on one line that names that variable; never a traceback."""
+    try:
+        task = slurm.task_from_environ(step_env(1, **{variable: value}))
+    except UsageError as error:
+        assert "\n" not in str(error) and variable in str(error), str(error)
+        return
+    assert len(set(task.addresses)) == len(task.addresses) == task.num_tasks
+    assert task.address == task.addresses[task.rank]
+    assert all(0 < int(a.rpartition(":")[2]) < 65536 for a in task.addresses)
 
 
 # -- the hook in cluster.resolve ------------------------------------------------------

@@ -36,6 +36,7 @@ import dataclasses
 import errno
 import itertools
 import json
+import math
 import re
 import socket
 from typing import Optional
@@ -89,6 +90,8 @@ def _expand_ranges(ranges: str, item: str, variable: str, text: str) -> list[str
         if int(high) < int(low) or int(high) - int(low) >= MAX_HOSTS:
             raise _hostlist_error(variable, text, f"range {part} in {item!r} is empty or huge")
         values += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+        if len(values) > MAX_HOSTS:
+            raise _hostlist_error(variable, text, f"[{ranges}] has more than {MAX_HOSTS} hosts")
     return values
 
 
@@ -106,7 +109,7 @@ def expand_hostlist(text: str, variable: str = "SLURM_STEP_NODELIST") -> list[st
         parts = re.findall(r"\[[^\[\]]*\]|[^\[\]]+", item)
         choices = [_expand_ranges(p[1:-1], item, variable, text) if p.startswith("[") else [p]
                    for p in parts]
-        if sum(len(c) for c in choices) > MAX_HOSTS:
+        if math.prod(len(c) for c in choices) > MAX_HOSTS:
             raise _hostlist_error(variable, text, f"{item!r} expands to too many hosts")
         hosts += ["".join(combination) for combination in itertools.product(*choices)]
         if len(hosts) > MAX_HOSTS:
@@ -126,8 +129,10 @@ def expand_tasks_per_node(text: str, variable: str = "SLURM_STEP_TASKS_PER_NODE"
             raise UsageError(f"{variable}={text!r}: bad entry {item!r}; expected counts "
                              "of at least 1 such as 2(x3),1 (2 tasks on each of 3 nodes, "
                              "then 1)")
-        if len(counts) + int(match.group(2) or 1) > MAX_HOSTS:
-            raise UsageError(f"{variable}={text!r}: more than {MAX_HOSTS} nodes")
+        if (len(counts) + int(match.group(2) or 1) > MAX_HOSTS
+                or int(match.group(1)) > MAX_HOSTS):
+            raise UsageError(f"{variable}={text!r}: more than {MAX_HOSTS} nodes, or tasks "
+                             "on a node")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 
@@ -286,7 +291,7 @@ def _check_block_placement(environ, rank: int, counts, hosts_var: str) -> None:
     raise UsageError(
         f"SLURM_PROCID={rank} runs as SLURM_NODEID={node} SLURM_LOCALID={local}, but block "
         f"distribution puts rank {rank} at SLURM_NODEID={want_node} SLURM_LOCALID={want_local}"
-        f"{f' (SLURM_DISTRIBUTION={distribution})' if distribution else ''}: tfdist numbers "
+        f"{f' (SLURM_DISTRIBUTION={distribution!r})' if distribution else ''}: tfdist numbers "
         f"workers in {hosts_var} order, node by node; start the step with "
         "`srun --distribution=block` (srun's default)")
 
