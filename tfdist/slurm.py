@@ -228,6 +228,20 @@ def task_from_environ(environ) -> Optional[SlurmTask]:
     if not in_step(environ):
         return _batch_script_task(environ, job)
     step = _integer(environ, "SLURM_STEP_ID", 0)
+    hosts, counts, hosts_var, tasks_var = _step_layout(environ)
+    rank = _integer(environ, "SLURM_PROCID", 0)
+    if rank >= sum(counts):
+        raise UsageError(f"SLURM_PROCID={rank} is out of range for {tasks_var}={sum(counts)} "
+                         f"(valid: 0-{sum(counts) - 1})")
+    _check_block_placement(environ, rank, counts, hosts_var)
+    return SlurmTask(hosts=tuple(hosts), tasks_per_node=tuple(counts), rank=rank,
+                     port_base=port_base(environ, job, step, max(counts)),
+                     job=f"Slurm job {job} step {step}")
+
+
+def _step_layout(environ) -> tuple[list, list, str, str]:
+    """(nodes, tasks on each, the node list's variable, the task count's
+    variable) of this step, checked against each other."""
     hosts_var, hosts_text = _required(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
     counts_var, counts_text = _required(environ, "SLURM_STEP_TASKS_PER_NODE",
                                         "SLURM_TASKS_PER_NODE")
@@ -242,14 +256,7 @@ def task_from_environ(environ) -> Optional[SlurmTask]:
     if sum(counts) != num_tasks:
         raise UsageError(f"{counts_var}={counts_text!r} adds up to {sum(counts)} tasks but "
                          f"{tasks_var}={num_tasks}; they must match")
-    rank = _integer(environ, "SLURM_PROCID", 0)
-    if rank >= num_tasks:
-        raise UsageError(f"SLURM_PROCID={rank} is out of range for {tasks_var}={num_tasks} "
-                         f"(valid: 0-{num_tasks - 1})")
-    _check_block_placement(environ, rank, counts, hosts_var)
-    return SlurmTask(hosts=tuple(hosts), tasks_per_node=tuple(counts), rank=rank,
-                     port_base=port_base(environ, job, step, max(counts)),
-                     job=f"Slurm job {job} step {step}")
+    return hosts, counts, hosts_var, tasks_var
 
 
 def _batch_script_task(environ, job: int) -> SlurmTask:
