@@ -7,6 +7,7 @@ cannot be installed) and submit the sbatch script unchanged, twice at once:
 a multi_worker job and a DTensor mesh across 2 processes, 2 tasks each.
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ from tfdist import cluster, slurm
 from tfdist.errors import UsageError
 from tfdist.strategies import horovod as horovod_strategy
 
-from conftest import BIN, REPO
+from conftest import BIN, REPO, wait_for_horovod_build
 
 
 def step_env(rank, *, nodes="node[9-10]", tasks_per_node="2(x2)", job=41, step=0, **changes):
@@ -274,6 +275,7 @@ TINY = ["--model=mlp", "--model_width=16", "--model_depth=1", "--dataset=tfdist_
         "--collective_timeout_s=60"]
 JOBS = {"multi_worker": ["--strategy=multi_worker"],
         "dtensor": ["--strategy=dtensor", "--mesh=batch:2,model:2", "--virtual_devices=2"]}
+HOROVOD_JOB = {"horovod": ["--strategy=horovod"]}   # plain tfdist-train, no horovodrun
 
 
 def _free_port_pair():
@@ -320,17 +322,22 @@ def local_slurm(tmp_path_factory):
 
 
 def _submit(env, name, flags, tmp_path, data_dir):
+    """sbatch the unchanged script: 2 tasks on the node, tfdist-train flags as
+    its arguments. Jobs that train run tests/slurm_worker.py (tfdist-train,
+    then each task saves its weights); others plain tfdist-train."""
     out = tmp_path / name
     out.mkdir()
     exports = {"TFDIST_VENV": os.path.dirname(BIN), "TFDIST_MODEL_DIR": str(out / "run"),
-               "TFDIST_TRAIN": "python tests/slurm_worker.py",
                "TFDIST_SLURM_TEST_OUT": str(out), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if name in JOBS:
+        exports["TFDIST_TRAIN"] = "python tests/slurm_worker.py"
     command = ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
                "--cpus-per-task=1", f"--time={JOB_LIMIT_S // 60 + 1}", f"--job-name=tfdist-{name}",
                f"--chdir={REPO}", f"--output={out}/tfdist-%j.out",
                "--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
                SBATCH, *TINY, f"--data_dir={data_dir}", *flags]
-    submitted = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+    submitted = subprocess.run(command, env={k: v for k, v in env.items() if k != "TFDIST_TRAIN"},
+                               capture_output=True, text=True, timeout=30)
     assert submitted.returncode == 0, submitted.stderr
     return submitted.stdout.strip().split(";")[0], out
 
@@ -343,30 +350,44 @@ def _job_state(env, job):
     return fields.get("JobState"), fields.get("ExitCode")
 
 
-@pytest.fixture(scope="module")
-def slurm_jobs(local_slurm, tmp_path_factory, data_dir):
-    """Both jobs of JOBS submitted at once to the one-node Slurm; waits (polling
-    scontrol: `sbatch --wait` polls at 2, 10 and 42 s) within the jobs' time
-    limit. name -> dict(state, exit_code, out_dir, output: the job's output file)."""
-    tmp_path = tmp_path_factory.mktemp("jobs")
-    submitted = {name: _submit(local_slurm, name, flags, tmp_path, data_dir)
-                 for name, flags in JOBS.items()}
+def run_jobs(env, specs, tmp_path, data_dir):
+    """Submit every job of `specs` (name -> flags) at once; wait for them within
+    their time limit, polling scontrol (`sbatch --wait` polls at 2, 10 and 42 s).
+    name -> dict(job, state, exit_code, out_dir, output: the job's output file)."""
+    submitted = {name: _submit(env, name, flags, tmp_path, data_dir)
+                 for name, flags in specs.items()}
     deadline = time.monotonic() + JOB_LIMIT_S + 30
     states = {}
     while len(states) < len(submitted):
         assert time.monotonic() < deadline, f"the jobs did not end: {submitted}"
         for name, (job, _) in submitted.items():
-            state, code = _job_state(local_slurm, job)
+            state, code = _job_state(env, job)
             if state not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
                 states[name] = (state, code)
         time.sleep(0.25)
     jobs = {}
     for name, (job, out) in submitted.items():
-        output = (out / f"tfdist-{job}.out").read_text() if (out / f"tfdist-{job}.out").exists() \
-            else ""
+        path = out / f"tfdist-{job}.out"
         jobs[name] = {"job": job, "state": states[name][0], "exit_code": states[name][1],
-                      "out_dir": out, "output": output}
+                      "out_dir": out, "output": path.read_text() if path.exists() else ""}
     return jobs
+
+
+def _horovod_ready() -> bool:
+    """Horovod is installed now (under `make test`: its build, beside the suite, ended well)."""
+    status = os.environ.get("TFDIST_HOROVOD_BUILD_STATUS")
+    if status and not os.path.exists(status):
+        return False
+    importlib.invalidate_caches()
+    return importlib.util.find_spec("horovod") is not None
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(local_slurm, tmp_path_factory, data_dir):
+    """The JOBS, and HOROVOD_JOB if Horovod is ready, submitted at once to the
+    one-node Slurm (OverSubscribe=FORCE: they share the CPUs)."""
+    specs = {**JOBS, **(HOROVOD_JOB if _horovod_ready() else {})}
+    return run_jobs(local_slurm, specs, tmp_path_factory.mktemp("jobs"), data_dir)
 
 
 def _summary_lines(output):
@@ -429,3 +450,30 @@ def test_two_jobs_at_once_on_one_node_listen_on_different_ports(slurm_jobs):
     hosts = {a.rpartition(":")[0] for c in clusters for a in c["worker"]}
     assert hosts == {socket.gethostname().split(".")[0]}
     assert all(len(p) == 2 for p in ports) and ports[0].isdisjoint(ports[1])
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(JOB_LIMIT_S + 1300)   # may wait for the Horovod build (make test)
+def test_sbatch_with_horovod_is_one_usage_error_per_task(slurm_jobs, local_slurm,
+                                                         tmp_path_factory, data_dir):
+    """srun -n 2 tfdist-train --strategy=horovod (a Horovod without MPI, no
+    horovodrun): a task exits 2 with one line naming horovodrun, before
+    training; nothing is written."""
+    job = slurm_jobs.get("horovod")
+    if job is None:   # Horovod was still building when the other jobs started
+        wait_for_horovod_build()
+        if importlib.util.find_spec("horovod") is None:
+            pytest.skip("Horovod not built (make horovod)")
+        job = run_jobs(local_slurm, HOROVOD_JOB, tmp_path_factory.mktemp("hvd"),
+                       data_dir)["horovod"]
+    assert job["state"] == "FAILED", job["output"][-3000:]
+    # srun --kill-on-bad-exit may stop the second task before it prints its line.
+    assert "Exited with exit code 2" in job["output"], job["output"][-3000:]
+    errors = [line for line in job["output"].splitlines() if line.startswith("tfdist-train:")]
+    assert 1 <= len(errors) <= 2 and "Traceback" not in job["output"], job["output"][-3000:]
+    host = socket.gethostname().split(".")[0]
+    for line in errors:
+        assert line.startswith("tfdist-train: error: --strategy=horovod under srun with 2 "
+                               "tasks"), line
+        assert f"horovodrun -np 2 -H {host}:2 --gloo" in line and "multi_worker" in line
+    assert not (job["out_dir"] / "run").exists()
