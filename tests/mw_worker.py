@@ -8,7 +8,8 @@ and ModelConfig fields, e.g. {"strategy": {"mesh": "batch:2,model:2"}}, "data" D
 fields; "task" names
 a case of test_tasks.CASES: its model, data, loss and metrics; "nan": true feeds
 test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
-OUT_DIR/weights-<worker>.npz (and, with a task or "nan", summary-<worker>.json).
+OUT_DIR/weights-<worker>.npz (and, with a task or "nan", summary-<worker>.json; under
+dtensor, predictions-<worker>.npy: the trained model's outputs on PROBE).
 Errors end the process as tfdist-train's do (`tfdist.app.run`): a fault is one
 line, `mw_worker.py: fault: ...`, exit status 1.
 
@@ -27,7 +28,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import mw_config, train_from  # noqa: E402
+from common import IMAGE_SPEC, mw_config, train_from  # noqa: E402
+
+# Host inputs for the trained model's predictions (OUT_DIR/predictions-<worker>.npy).
+PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).astype(np.float32)
 
 
 def main(out_dir, strategy, steps, overrides="{}"):
@@ -102,6 +106,9 @@ def _main(out_dir, strategy, steps, overrides):
     index = os.environ.get("HOROVOD_RANK") or str(
         json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"])
     np.savez(os.path.join(out_dir, f"weights-{index}.npz"), *result.model.get_weights())
+    if strategy == "dtensor":   # the trained model on host data, in every process
+        np.save(os.path.join(out_dir, f"predictions-{index}.npy"),
+                result.model.predict(PROBE, verbose=0))
     if task or nan:
         with open(os.path.join(out_dir, f"summary-{index}.json"), "w") as f:
             json.dump(result.summary, f)

@@ -173,7 +173,7 @@ def test_each_shard_holds_its_share(references):
     axes = {"batch": 2, "model": 2}
     slots = {v.path.split("/", 1)[1]: v for v in result.optimizer.variables}
     checked = 0
-    for variable in result.model.trainable_variables:
+    for variable in result.sharded_model.trainable_variables:
         spec = sharding.LayoutRules(models.layout_rules(CASES["transformer"][0])).spec_for(
             variable.path, variable.shape, axes)
         global_bytes = int(np.prod(variable.shape)) * 4
@@ -283,7 +283,8 @@ TWO_BY_TWO = {"mesh": "batch:2,model:2", "virtual_devices": 2}
 def test_two_processes_train_what_one_process_trains_on_the_same_mesh(tmp_path):
     """2 processes x 2 virtual CPUs as one 2x2 mesh (tfdist-launch, TF_CONFIG)
     == one process with 4 virtual CPUs on a 2x2 mesh, same global batches; the
-    chief's checkpoint holds every process's shards (restores in one process)."""
+    chief's checkpoint holds every process's shards (restores in one process);
+    each process's trained model predicts on host data."""
     import dataclasses as dc
     from common import mw_config, train_from
     from test_multi_worker import LAUNCH, run_workers
@@ -300,6 +301,12 @@ def test_two_processes_train_what_one_process_trains_on_the_same_mesh(tmp_path):
     assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
     for got, want in zip(workers[0], single.model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Every process's RunResult.model predicts on host data, as one process's does.
+    from mw_worker import PROBE
+    expected = single.model.predict(PROBE, verbose=0)
+    for index in (0, 1):
+        np.testing.assert_allclose(np.load(tmp_path / f"predictions-{index}.npy"), expected,
+                                   **PREDICTION_TOLERANCE)
     restored = train_from(mw_config("default", model_dir=model_dir), initial)
     assert restored.summary["steps"] == 10                  # restored, nothing retrained
     assert_variables_equal(restored.model.get_weights(), workers[0])
@@ -360,9 +367,8 @@ def test_a_dead_process_ends_the_mesh_with_a_fault_naming_it(tmp_path, data_dir)
 
 
 def test_print_layouts_lists_every_variable_and_the_totals(data_dir):
-    from tfdist import api
     config = _config("dtensor", CASES["mlp"][0], mesh="batch:1,model:4")
-    report = api.describe_layouts(config, model_fn=lambda s: models.build(CASES["mlp"][0], s),
+    report = tfdist.describe_layouts(config, model_fn=lambda s: models.build(CASES["mlp"][0], s),
                                   dataset_fn=image_dataset_fn, spec=IMAGE_SPEC,
                                   layout_rules=models.layout_rules(CASES["mlp"][0]))
     lines = report.splitlines()
@@ -373,3 +379,71 @@ def test_print_layouts_lists_every_variable_and_the_totals(data_dir):
     assert any(l.startswith("adam") and "/hidden_0_kernel_momentum " in l
                and l.endswith(" 3,072") for l in lines), report
     assert lines[-1].startswith("parameters + optimizer per device:")
+
+
+# -- the trained model on host data -------------------------------------------
+def _two_input_model(spec):
+    """A user's own functional model with two named inputs."""
+    image = keras.Input(IMAGE_SPEC.input_shape, name="image")
+    extra = keras.Input((4,), name="extra")
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(image), extra])
+    x = keras.layers.Dense(16, activation="relu", name="wide")(x)
+    x = keras.layers.Dense(8, activation="relu", name="narrow")(x)
+    return keras.Model({"image": image, "extra": extra},
+                       keras.layers.Dense(IMAGE_SPEC.num_classes, name="logits")(x))
+
+
+# The user's layout rules: `wide` split by output column, `narrow` by input row.
+TWO_INPUT_RULES = [(r"wide/kernel$", (None, "model")), (r"wide/bias$", ("model",)),
+                   (r"narrow/kernel$", ("model", None))]
+
+
+def _two_input_arrays(split):
+    rng = np.random.default_rng(0 if split == "train" else 1)
+    n = IMAGE_SPEC.train_examples if split == "train" else IMAGE_SPEC.eval_examples
+    x = {"image": rng.normal(size=(n, *IMAGE_SPEC.input_shape)).astype(np.float32),
+         "extra": rng.normal(size=(n, 4)).astype(np.float32)}
+    return x, rng.integers(IMAGE_SPEC.num_classes, size=n).astype(np.int32)
+
+
+def _two_input_dataset_fn(split, context):
+    import tensorflow as tf
+    return tfdist.shard(tf.data.Dataset.from_tensor_slices(_two_input_arrays(split)), context)
+
+
+def test_a_dtensor_trained_model_predicts_and_evaluates_on_host_data():
+    """After a 2x2 run, `result.model` predicts, evaluates and is called on
+    NumPy arrays like the one-device model (its weights gathered from the
+    mesh); the sharded model (`result.sharded_model`), as trained, cannot."""
+    keras.utils.set_random_seed(3)
+    initial = _two_input_model(None).get_weights()
+
+    def model_fn(spec):
+        model = _two_input_model(spec)
+        model.set_weights(initial)
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    runs = {}
+    for strategy in ("default", "dtensor"):
+        config = run_config(strategy, steps=4).replace(strategy=tfdist.StrategyConfig(
+            name=strategy, virtual_devices=4 if strategy == "dtensor" else 2,
+            mesh="batch:2,model:2"))
+        runs[strategy] = tfdist.train(config, model_fn=model_fn,
+                                      dataset_fn=_two_input_dataset_fn,
+                                      layout_rules=TWO_INPUT_RULES)
+    want, got = runs["default"].model, runs["dtensor"].model
+    sharded = runs["dtensor"].sharded_model
+    from tensorflow.experimental import dtensor
+    assert dtensor.fetch_layout(sharded.get_layer("wide").kernel.value).sharding_specs == [
+        dtensor.UNSHARDED, "model"]   # it really trained split over the mesh
+    assert max(np.abs(w - i).max() for w, i in zip(want.get_weights(), initial)) > 1e-3
+    x, y = _two_input_arrays("test")
+    expected = want.predict(x, verbose=0)
+    np.testing.assert_allclose(got.predict(x, verbose=0), expected, **PREDICTION_TOLERANCE)
+    np.testing.assert_allclose(np.asarray(got(x)), expected, **PREDICTION_TOLERANCE)
+    np.testing.assert_allclose(got.evaluate(x, y, verbose=0), want.evaluate(x, y, verbose=0),
+                               rtol=1e-5)
+    with pytest.raises(Exception, match="DTensor"):   # the defect this copy fixes
+        sharded.predict(x, verbose=0)

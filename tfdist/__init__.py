@@ -30,6 +30,13 @@ def load_model(path, **kwargs):
     return keras.saving.load_model(path, **kwargs)
 
 
+def describe_layouts(config, **kwargs):
+    """See `tfdist.api.describe_layouts` (what `--print_layouts` prints): each
+    variable's layout on `config.strategy.mesh` and its per-device bytes."""
+    from tfdist.api import describe_layouts as _describe_layouts
+    return _describe_layouts(config, **kwargs)
+
+
 def export(source, export_dir, **kwargs):
     """See `tfdist.api.export`: a RunResult or a model_dir -> model.keras + SavedModel."""
     from tfdist.api import export as _export
@@ -37,4 +44,5 @@ def export(source, export_dir, **kwargs):
 
 
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig",
-           "StrategyConfig", "TrainConfig", "UsageError", "export", "load_model", "shard", "train"]
+           "StrategyConfig", "TrainConfig", "UsageError", "describe_layouts", "export", "load_model",
+           "shard", "train"]

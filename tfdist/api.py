@@ -38,13 +38,16 @@ from tfdist.training.trainer import Trainer, total_steps
 @dataclasses.dataclass
 class RunResult:
     summary: dict          # the run summary (also printed and written as summary.json)
-    model: keras.Model     # the trained model
+    model: keras.Model     # the trained model; predicts, evaluates on host data
     optimizer: keras.optimizers.Optimizer
     is_chief: bool = True  # only the chief prints and writes the summary
     # For `tfdist.export(result, ...)`: the engine the model lives on and how
     # to build a plain copy of it.
     strategy: object = dataclasses.field(default=None, repr=False)
     rebuild: Optional[Callable[[], keras.Model]] = dataclasses.field(default=None, repr=False)
+    # Under tensor sharding (dtensor): the model whose variables are split
+    # over the mesh, as trained (`model` is its plain copy); None elsewhere.
+    sharded_model: Optional[keras.Model] = dataclasses.field(default=None, repr=False)
 
 
 def export(source, export_dir: str, *, model_fn=None, spec=None) -> dict:
@@ -346,13 +349,29 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     except tf.errors.OpError as error:
         raise WorkerFault(strategy.describe_fault(error)) from error
     summary = summary_lib.run_summary(config, controller, inputs, metrics, peak_lr=peak_lr)
-    def rebuild():
-        return _serving_model(config, model_fn, inputs.spec)
+    return _finish(config, strategy, model, optimizer, summary,
+                   lambda: _serving_model(config, model_fn, inputs.spec))
 
+
+def _finish(config, strategy, model, optimizer, summary, rebuild) -> RunResult:
+    """Export and write the summary (the chief), and the `RunResult`.
+
+    A model whose variables are sharded over a mesh cannot run on host data
+    (Keras would get regular tensors where the mesh's SPMD program expects
+    DTensors), so under tensor sharding `RunResult.model` is a plain copy
+    with the gathered weights, made by every process (the gather is a
+    collective), and the sharded one is `RunResult.sharded_model`.
+    """
+    tc = config.train
+    sharded = model if isinstance(strategy, TensorSharding) else None
+    if sharded is not None:
+        model = export_lib.host_copy(sharded, strategy, rebuild)
     if strategy.is_chief and tc.export_dir:
-        summary["export"] = export_lib.export_model(model, tc.export_dir, strategy=strategy,
-                                                    rebuild=rebuild)
+        summary["export"] = export_lib.export_model(
+            model, tc.export_dir, strategy=None if sharded else strategy,
+            rebuild=None if sharded else rebuild)
     if strategy.is_chief and tc.model_dir:
         summary_lib.write_summary(tc.model_dir, summary)
     return RunResult(summary=summary, model=model, optimizer=optimizer,
-                     is_chief=strategy.is_chief, strategy=strategy, rebuild=rebuild)
+                     is_chief=strategy.is_chief, strategy=None if sharded else strategy,
+                     rebuild=None if sharded else rebuild, sharded_model=sharded)

@@ -77,15 +77,22 @@ def _host_weights(model, strategy) -> list:
     return [strategy.to_host(v).numpy() for v in model.weights]
 
 
+def host_copy(model, strategy, rebuild: Callable):
+    """A plain Keras model (built by `rebuild`, outside any engine) holding
+    `model`'s weights as host values. For a model on a DTensor mesh every
+    process must call this together: gathering a sharded variable is a
+    collective across the mesh's processes."""
+    copy = rebuild()
+    copy.set_weights(_host_weights(model, strategy))
+    return copy
+
+
 def export_model(model, export_dir: str, *, strategy=None,
                  rebuild: Optional[Callable] = None) -> dict:
     """Write `model` (trained under `strategy`) to `export_dir`; return the paths."""
     from absl import logging
 
-    serving = model
-    if rebuild is not None:
-        serving = rebuild()
-        serving.set_weights(_host_weights(model, strategy))
+    serving = model if rebuild is None else host_copy(model, strategy, rebuild)
     export_dir = os.path.abspath(export_dir)
     parent = os.path.dirname(export_dir)
     try:
