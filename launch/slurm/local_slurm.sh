@@ -111,10 +111,14 @@ start_munge() {
         --seed-file="$DIR/munge/munged.seed"
 }
 
+running() {   # running PID: not gone, and not a zombie waiting for init to reap it
+    kill -0 "$1" 2>/dev/null && [ "$(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null)" != Z ]
+}
+
 alive() {   # alive NAME: the daemon of that pid file runs
     local pid
     pid=$(cat "$DIR/$1.pid" 2>/dev/null) || return 1
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+    [ -n "$pid" ] && running "$pid"
 }
 
 node_state() {
@@ -155,8 +159,8 @@ stop() {
         pid=$(cat "$DIR/$name.pid")
         kill -TERM "$pid" 2>/dev/null || true
         local deadline=$((SECONDS + 10))
-        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
-        kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
+        while running "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
+        running "$pid" && kill -KILL "$pid" 2>/dev/null || true
         rm -f "$DIR/$name.pid"
     done
 }
