@@ -444,8 +444,8 @@ def test_sbatch_trains_a_dtensor_mesh_across_two_tasks(slurm_jobs):
 @pytest.mark.integration
 @pytest.mark.timeout(JOB_LIMIT_S + 400)
 def test_two_jobs_at_once_on_one_node_listen_on_different_ports(slurm_jobs):
-    clusters = [json.loads((job["out_dir"] / "task-0.json").read_text())["tf_config"]["cluster"]
-                for job in slurm_jobs.values()]
+    clusters = [json.loads((slurm_jobs[name]["out_dir"] / "task-0.json").read_text())
+                ["tf_config"]["cluster"] for name in JOBS]
     ports = [{int(a.rpartition(":")[2]) for a in c["worker"]} for c in clusters]
     hosts = {a.rpartition(":")[0] for c in clusters for a in c["worker"]}
     assert hosts == {socket.gethostname().split(".")[0]}
