@@ -273,9 +273,12 @@ TINY = ["--model=mlp", "--model_width=16", "--model_depth=1", "--dataset=tfdist_
         "--global_batch_size=32", "--train_steps=6", "--steps_per_loop=3",
         "--checkpoint_every=6", "--log_every=3", "--jit_compile=off",
         "--collective_timeout_s=60"]
-JOBS = {"multi_worker": ["--strategy=multi_worker"],
-        "dtensor": ["--strategy=dtensor", "--mesh=batch:2,model:2", "--virtual_devices=2"]}
-HOROVOD_JOB = {"horovod": ["--strategy=horovod"]}   # plain tfdist-train, no horovodrun
+# name -> (tfdist-train flags after TINY, tasks). JOBS run tests/slurm_worker.py
+# (tfdist-train, then each task saves its weights); the others plain tfdist-train.
+JOBS = {"multi_worker": (["--strategy=multi_worker"], 2),
+        "dtensor": (["--strategy=dtensor", "--mesh=batch:2,model:2", "--virtual_devices=2"], 2)}
+ONE_TASK_JOB = {"one_task": (["--strategy=multi_worker"], 1)}
+HOROVOD_JOB = {"horovod": (["--strategy=horovod"], 2)}   # no horovodrun
 
 
 def _free_port_pair():
@@ -321,17 +324,18 @@ def local_slurm(tmp_path_factory):
         subprocess.run([LOCAL_SLURM, "stop"], env=env, timeout=60)
 
 
-def _submit(env, name, flags, tmp_path, data_dir):
-    """sbatch the unchanged script: 2 tasks on the node, tfdist-train flags as
-    its arguments. Jobs that train run tests/slurm_worker.py (tfdist-train,
-    then each task saves its weights); others plain tfdist-train."""
+def _submit(env, name, spec, tmp_path, data_dir):
+    """sbatch the unchanged script: `spec` = (tfdist-train flags, given as its
+    arguments, number of tasks, all on the one node)."""
+    flags, tasks = spec
     out = tmp_path / name
     out.mkdir()
     exports = {"TFDIST_VENV": os.path.dirname(BIN), "TFDIST_MODEL_DIR": str(out / "run"),
                "TFDIST_SLURM_TEST_OUT": str(out), "TF_CPP_MIN_LOG_LEVEL": "2"}
     if name in JOBS:
         exports["TFDIST_TRAIN"] = "python tests/slurm_worker.py"
-    command = ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+    command = ["sbatch", "--parsable", "--nodes=1", f"--ntasks={tasks}",
+               f"--ntasks-per-node={tasks}",
                "--cpus-per-task=1", f"--time={JOB_LIMIT_S // 60 + 1}", f"--job-name=tfdist-{name}",
                f"--chdir={REPO}", f"--output={out}/tfdist-%j.out",
                "--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
@@ -351,11 +355,11 @@ def _job_state(env, job):
 
 
 def run_jobs(env, specs, tmp_path, data_dir):
-    """Submit every job of `specs` (name -> flags) at once; wait for them within
+    """Submit every job of `specs` (name -> (flags, tasks)) at once; wait for them within
     their time limit, polling scontrol (`sbatch --wait` polls at 2, 10 and 42 s).
     name -> dict(job, state, exit_code, out_dir, output: the job's output file)."""
-    submitted = {name: _submit(env, name, flags, tmp_path, data_dir)
-                 for name, flags in specs.items()}
+    submitted = {name: _submit(env, name, spec, tmp_path, data_dir)
+                 for name, spec in specs.items()}
     deadline = time.monotonic() + JOB_LIMIT_S + 30
     states = {}
     while len(states) < len(submitted):
@@ -384,9 +388,9 @@ def _horovod_ready() -> bool:
 
 @pytest.fixture(scope="module")
 def slurm_jobs(local_slurm, tmp_path_factory, data_dir):
-    """The JOBS, and HOROVOD_JOB if Horovod is ready, submitted at once to the
-    one-node Slurm (OverSubscribe=FORCE: they share the CPUs)."""
-    specs = {**JOBS, **(HOROVOD_JOB if _horovod_ready() else {})}
+    """The JOBS, ONE_TASK_JOB, and HOROVOD_JOB if Horovod is ready, submitted
+    at once to the one-node Slurm (OverSubscribe=FORCE: they share the CPUs)."""
+    specs = {**JOBS, **ONE_TASK_JOB, **(HOROVOD_JOB if _horovod_ready() else {})}
     return run_jobs(local_slurm, specs, tmp_path_factory.mktemp("jobs"), data_dir)
 
 
@@ -439,6 +443,19 @@ def test_sbatch_trains_multi_worker_tasks_in_sync(slurm_jobs):
 def test_sbatch_trains_a_dtensor_mesh_across_two_tasks(slurm_jobs):
     _, summary = _check_job(slurm_jobs["dtensor"], "dtensor")
     assert summary["mesh"] == "batch:2,model:2"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(JOB_LIMIT_S + 400)
+def test_a_one_task_job_trains_as_a_single_worker(slurm_jobs):
+    """sbatch --ntasks=1, plain tfdist-train: a one-worker cluster."""
+    job = slurm_jobs["one_task"]
+    assert (job["state"], job["exit_code"]) == ("COMPLETED", "0:0"), job["output"][-4000:]
+    printed = _summary_lines(job["output"])
+    assert len(printed) == 1, job["output"][-4000:]
+    assert (printed[0]["strategy"], printed[0]["workers"], printed[0]["steps"]) == (
+        "multi_worker", 1, 6)
+    assert printed[0] == json.loads((job["out_dir"] / "run" / "summary.json").read_text())
 
 
 @pytest.mark.integration
