@@ -6,16 +6,18 @@ only loopback. Here an "outside" network namespace, joined to this host's by
 a veth pair (10.233.0.1/24 on this host, 10.233.0.2/24 outside), stands for
 another machine on the network: it routes to a non-loopback address of this
 host. For each engine that starts servers (multi_worker, parameter_server,
-dtensor across processes) two clusters train side by side (each is mostly
-TensorFlow start-up, so they overlap well):
+dtensor across processes) two clusters train:
 
 - --network=host, the positive control: the outside reaches every port;
-- --network=private: it reaches none, while the launcher's namespace shows
-  every port listening just before and just after the probe. Its ports are
-  held bound (not listening) in this host's namespace meanwhile, so nothing
-  else can answer there in its place.
+- --network=private: it reaches none. Its ports are held bound (not
+  listening) in this host's namespace meanwhile, so nothing else can answer
+  there in its place.
 
-Both clusters must still finish training (exit 0).
+Each cluster is probed as soon as its launcher's namespace shows every port
+listening, and must show them again just after the probe; every cluster must
+still finish training (exit 0). The six start at once (each is mostly
+TensorFlow start-up, so they overlap well) and one test per engine checks
+its pair.
 
 Needs root and iproute2 (`ip netns`); skipped otherwise. The namespace and
 the link are named after this process and deleted however the tests end.
@@ -43,8 +45,11 @@ LAUNCH = os.path.join(BIN, "tfdist-launch")
 TRAIN = os.path.join(BIN, "tfdist-train")
 HOST_END, OUTSIDE_END = "10.233.0.1", "10.233.0.2"
 PREFIX = f"tfx{os.getpid()}"   # <= 15-character interface names: tfx<pid>h
+# One loop of 10 steps; no XLA compile (2 s of CPU a process here). A generous
+# --collective_timeout_s: 14 processes start at once on 2 cores.
 TINY = ["--model=mlp", "--model_width=16", "--model_depth=1", "--global_batch_size=16",
-        "--train_steps=20", "--steps_per_loop=10"]
+        "--train_steps=10", "--steps_per_loop=10", "--jit_compile=off",
+        "--collective_timeout_s=120"]
 ENGINES = {   # launcher options, tfdist-train options
     "multi_worker": (["--workers=2"], ["--strategy=multi_worker"]),
     "parameter_server": (["--workers=1", "--ps=1"], ["--strategy=parameter_server"]),
@@ -52,7 +57,8 @@ ENGINES = {   # launcher options, tfdist-train options
                                   "--virtual_devices=1"]),
 }
 CLUSTER_LINE = re.compile(r"^tfdist-launch: (?:warning: )?cluster: (.*?); ", re.M)
-START_S = 180   # a cluster's start-up on a loaded 2-core machine, with a margin
+START_S = 200   # six clusters' start-up and training on a loaded 2-core machine, with a margin
+PRIVATE_PORTS = 3   # the most tasks of a cluster (parameter_server: chief, worker, ps)
 
 
 def _ip(*args, check=True):
@@ -172,22 +178,27 @@ class Cluster:
     def tail(self):
         return f"--- {self.network} cluster's stderr:\n{self.text()[-3000:]}"
 
-    def ports(self, deadline):
-        """{task name: port} from the launcher's start-up line (waited for)."""
-        while not (found := CLUSTER_LINE.search(self.text())):
+    def ports(self):
+        """{task name: port} from the launcher's start-up line (None: not yet)."""
+        found = CLUSTER_LINE.search(self.text())
+        if not found:
             assert self.proc.poll() is None, f"the launcher ended at start-up\n{self.tail()}"
-            assert time.monotonic() < deadline, f"no cluster line\n{self.tail()}"
-            time.sleep(0.05)
+            return None
         tasks = [task.rpartition(" ") for task in found[1].split(", ")]
         return {name: int(address.rpartition(":")[2]) for name, _, address in tasks}
 
-    def wait_listening(self, ports, deadline):
-        """Until every port listens in the launcher's network namespace."""
-        while not set(ports) <= listening(self.proc.pid):
+    def probe_when_listening(self, outside):
+        """Once every port listens in the launcher's network namespace, connect
+        to each from the outside: (ports, outcomes, listening before, after);
+        None while not all listen yet."""
+        ports = self.ports()
+        if ports is None or not set(ports.values()) <= listening(self.proc.pid):
             assert self.proc.poll() is None, \
                 f"the cluster ended before all of {ports} listened\n{self.tail()}"
-            assert time.monotonic() < deadline, f"{ports} never all listened\n{self.tail()}"
-            time.sleep(0.05)
+            return None
+        before = listening(self.proc.pid)
+        reached = outside.connect(ports.values())
+        return ports, reached, before, listening(self.proc.pid)
 
     def finish(self, timeout):
         self.proc.wait(timeout=timeout)
@@ -222,55 +233,64 @@ def prepared_data_dir(data_dir):
     return data_dir
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_the_outside_reaches_a_host_cluster_and_not_a_private_one(engine, outside,
-                                                                   prepared_data_dir, tmp_path):
-    count = {"multi_worker": 2, "parameter_server": 3, "dtensor": 2}[engine]
-    base, held = held_block(count)
+@pytest.fixture(scope="module")
+def runs(outside, prepared_data_dir, tmp_path_factory):
+    """Every engine's private and host cluster, started at once and each probed
+    as soon as all its servers listen: {(engine, network): (Cluster, probe, exit status)}.
+    The private ones share a port base (each has a namespace of its own)."""
+    directory = str(tmp_path_factory.mktemp("exposure"))
+    base, held = held_block(PRIVATE_PORTS)
+    clusters = {}
     try:
-        private = Cluster(engine, "private", str(tmp_path), prepared_data_dir,
-                          launcher=[f"--port_base={base}"])
-        host = Cluster(engine, "host", str(tmp_path), prepared_data_dir)
-        clusters = (private, host)
-        try:
-            deadline = time.monotonic() + START_S
-            found = {}
-            for cluster in clusters:
-                ports = cluster.ports(deadline)
-                cluster.wait_listening(ports.values(), deadline)
-                before = listening(cluster.proc.pid)
-                reached = outside.connect(ports.values())
-                after = listening(cluster.proc.pid)
-                found[cluster.network] = ports, reached, before, after
-            codes = [cluster.finish(START_S) for cluster in clusters]
-        finally:
-            for cluster in clusters:
-                cluster.kill()
+        for engine in ENGINES:
+            clusters[engine, "private"] = Cluster(engine, "private", directory, prepared_data_dir,
+                                                  launcher=[f"--port_base={base}"])
+            clusters[engine, "host"] = Cluster(engine, "host", directory, prepared_data_dir)
+        deadline = time.monotonic() + START_S
+        probes = {}
+        while len(probes) < len(clusters):
+            for key, cluster in clusters.items():
+                if key not in probes and (probe := cluster.probe_when_listening(outside)):
+                    probes[key] = probe
+            assert time.monotonic() < deadline, "not every cluster listened within " \
+                f"{START_S}s: {sorted(set(clusters) - set(probes))}\n" + \
+                "\n".join(c.tail() for c in clusters.values())
+            time.sleep(0.05)
+        codes = {key: cluster.finish(max(1.0, deadline - time.monotonic()))
+                 for key, cluster in clusters.items()}
     finally:
+        for cluster in clusters.values():
+            cluster.kill()
         for sock in held:
             sock.close()
-    tails = "\n".join(cluster.tail() for cluster in clusters)
-    print(json.dumps({network: [ports, reached] for network, (ports, reached, _, _)
-                      in found.items()}))
-    assert codes == [0, 0], tails
-    ports, reached, before, after = found["private"]
-    assert sorted(ports.values()) == list(range(base, base + count)), (ports, base)
+    return {key: (cluster, probes[key], codes[key]) for key, cluster in clusters.items()}, base
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_the_outside_reaches_a_host_cluster_and_not_a_private_one(engine, runs):
+    found, base = runs
+    private, host = found[engine, "private"], found[engine, "host"]
+    tails = "\n".join(cluster.tail() for cluster, _, _ in (private, host))
+    print(json.dumps({network: probe[:2] for network, (_, probe, _)
+                      in (("private", private), ("host", host))}))
+    assert (private[2], host[2]) == (0, 0), tails
+    ports, reached, before, after = private[1]
+    assert sorted(ports.values()) == list(range(base, base + len(ports))), (ports, base)
     assert set(ports.values()) <= before and set(ports.values()) <= after, (ports, before, after)
     assert all(why != "connected" for why in reached.values()), (reached, tails)
-    ports, reached, before, after = found["host"]
+    ports, reached, before, after = host[1]
     assert set(ports.values()) <= before and set(ports.values()) <= after, (ports, before, after)
     assert all(why == "connected" for why in reached.values()), (reached, tails)
     # Every server said where it listens, and the launcher said who can reach the cluster.
-    for cluster in clusters:
+    for cluster, (ports, _, _, _), _ in (private, host):
         text = cluster.text()
-        ports = found[cluster.network][0]
+        reach = ("only inside tfdist-launch's private network namespace"
+                 if cluster is private[0] else "of every interface")
         for name, port in ports.items():
-            reach = ("only inside tfdist-launch's private network namespace"
-                     if cluster.network == "private" else "of every interface")
             line = (f"[{name}] tfdist-train: {name} (localhost:{port}): TensorFlow's gRPC server "
                     f"listens on port {port} {reach}")
             assert line in text, f"{line!r} missing\n{cluster.tail()}"
-    assert "; confined to a private network namespace (loopback only" in private.text()
+    assert "; confined to a private network namespace (loopback only" in private[0].text()
     assert "; on this host's network (--network=host): TensorFlow's gRPC servers listen on " \
-           "ports" in host.text()
+           "ports" in host[0].text()
