@@ -3,8 +3,10 @@ launch/slurm/tfdist.sbatch on a real one-node Slurm (launch/slurm/local_slurm.sh
 
 The unit tests feed synthetic SLURM_* environments; the integration tests
 install and start Debian's Slurm (root only, skipped with the reason if it
-cannot be installed) and submit the sbatch script unchanged, twice at once:
-a multi_worker job and a DTensor mesh across 2 processes, 2 tasks each.
+cannot be installed) and submit the sbatch script unchanged, only sbatch's
+options, the environment and its arguments varying, all jobs at once: a
+multi_worker job and a DTensor mesh across 2 processes (2 tasks each, on one
+node), a one-task job, and --strategy=horovod without horovodrun.
 """
 
 import importlib.util
