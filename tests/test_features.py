@@ -27,7 +27,9 @@ def test_accumulated_micro_batches_match_one_big_batch(strategy):
     assert_weights_close(four.model.get_weights(), one.model.get_weights())
 
 
-@pytest.mark.parametrize("compression", ["none", "bf16"])
+# bf16 is `slow` (left out of `make unit`, run by `make test`): the same
+# path as "none" with a cast, and the transformer's trace dominates both.
+@pytest.mark.parametrize("compression", ["none", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_transformer_accumulates_and_compresses(compression):
     """Embedding gradients (sparse in TensorFlow) through accumulation and
     compression: 2 micro-batches match one batch (to 1e-5 without compression)."""
@@ -195,6 +197,7 @@ def _model_from(initial, config, spec):
     return model
 
 
+@pytest.mark.slow   # two models traced twice each (~45 s of `make unit`); run by `make test`
 @pytest.mark.parametrize("model", ["cnn", "transformer"])
 def test_recompute_gives_the_same_weights(model):
     spec, dataset_fn = ((IMAGE_SPEC, image_dataset_fn) if model == "cnn"

@@ -79,6 +79,7 @@ def _initial(config):
     return models.build(config.model, IMAGE_SPEC).get_weights()
 
 
+@pytest.mark.slow   # XLA compiles (~30 s of `make unit`); run by `make test`
 @pytest.mark.parametrize("strategy", ["default", "mirrored"])
 def test_jit_compile_on_matches_off(strategy):
     """XLA fuses and reorders float operations, so weights after 5 Adam steps
