@@ -428,3 +428,16 @@ def test_each_multi_worker_strategy_gets_its_own_collective_keys(monkeypatch):
     assert cls._collective_key_base == first + compat.COLLECTIVE_KEY_STRIDE
     with pytest.raises(compat.UpstreamChanged, match="_collective_key_base"):
         compat.next_collective_key_base(type("NoBase", (), {"__module__": cls.__module__}))
+
+
+def test_coordination_key_value(monkeypatch):
+    """The store DTensor's client 0 waits on at the end of a run across
+    processes (used by tests/test_dtensor.py's and tests/test_slurm.py's
+    2-process meshes); a TensorFlow without it is one line."""
+    from tensorflow.python.eager import context
+    put, get = compat.coordination_key_value()
+    assert callable(put) and callable(get)
+    monkeypatch.delattr(context.Context, "get_config_key_value")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.coordination_key_value()
+    assert_one_line_change(raised, "get_config_key_value")

@@ -372,6 +372,8 @@ def _finish(config, strategy, model, optimizer, summary, rebuild) -> RunResult:
             rebuild=None if sharded else rebuild)
     if strategy.is_chief and tc.model_dir:
         summary_lib.write_summary(tc.model_dir, summary)
+    if sharded is not None:
+        strategy.end_of_run()
     return RunResult(summary=summary, model=model, optimizer=optimizer,
                      is_chief=strategy.is_chief, strategy=None if sharded else strategy,
                      rebuild=None if sharded else rebuild, sharded_model=sharded)

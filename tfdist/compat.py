@@ -146,6 +146,31 @@ def next_collective_key_base(strategy_class) -> None:
     _strategies_made += 1
 
 
+def coordination_key_value():
+    """`(put, get)` on TensorFlow's coordination-service key-value store.
+
+    What: `set_config_key_value(key, value)` and
+    `get_config_key_value(key, timeout_in_ms)` of the eager context
+    (`tensorflow.python.eager.context.context()`), which DTensor's own
+    multi-client set-up uses; `get` blocks until the key is set.
+    Why: in a DTensor mesh across processes the process of client 0 hosts
+    the coordination service. A peer still in its last collective (the
+    gather of the trained weights) when client 0 exits fails with
+    "Failed to send RPC to coordination service" (seen under Slurm, 1 run in
+    4 on a loaded machine), so every peer reports its end in the store and
+    client 0 leaves last. TensorFlow has no public barrier or store for
+    this. Verified: tensorflow 2.21.0.
+    Check: both methods exist on the context.
+    """
+    from tensorflow.python.eager import context
+
+    what = "tensorflow.python.eager.context.Context.{}"
+    current = context.context()
+    put = _require(current, "set_config_key_value", what.format("set_config_key_value"))
+    get = _require(current, "get_config_key_value", what.format("get_config_key_value"))
+    return put, get
+
+
 # -- parameter servers (BUILD_NOTES "ParameterServerStrategy with Keras 3") ----
 
 def sharded_variable_type() -> type:

@@ -48,6 +48,11 @@ class TensorSharding(Capability):
     def layout_report(self, model, optimizer) -> str:
         """A table of every variable's sharding and the per-device totals."""
 
+    def end_of_run(self) -> None:
+        """Called by every process after the run's last collective (the copy
+        of the trained model to the host): processes that host shared
+        services leave last. Default: nothing to wait for."""
+
 
 class ElasticMembership(Capability):
     """Workers may leave and join during a run (Horovod elastic). The engine

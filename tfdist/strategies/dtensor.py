@@ -23,6 +23,7 @@ import functools
 import os
 import signal
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -103,6 +104,9 @@ class MeshVariable(dtensor.DVariable):
     def __array__(self, dtype=None):
         array = self.numpy()
         return array if dtype is None else array.astype(dtype)
+
+
+_runs_ended = 0   # multi-process runs ended in this process: their keys' names
 
 
 class DTensorStrategy(Strategy, TensorSharding):
@@ -378,6 +382,33 @@ class DTensorStrategy(Strategy, TensorSharding):
                 raise UsageError(f"metric {name!r} cannot run under --strategy=dtensor: "
                                  f"{reason[:200]}; train it under mirrored, multi_worker or "
                                  "horovod, or pick another metric") from None
+
+    def end_of_run(self) -> None:
+        """Across processes: every peer reports its end to client 0, which
+        hosts the coordination service and so leaves last (a peer still in
+        the final gather when it exits would fail; see
+        `compat.coordination_key_value`). Client 0 waits at most
+        --collective_timeout_s, then leaves with a warning naming who was
+        missing."""
+        global _runs_ended
+        spec = self._spec
+        if spec is None or spec.num_workers <= 1:
+            return
+        _runs_ended += 1   # every process makes its runs in the same order
+        put, get = compat.coordination_key_value()
+        prefix = f"tfdist/run-{_runs_ended}/ended"
+        if spec.worker_index:
+            put(f"{prefix}/{spec.worker_index}", "1")
+            return
+        timeout_ms = int(self.config.collective_timeout_s * 1000)
+        for peer in range(1, spec.num_workers):
+            try:
+                get(f"{prefix}/{peer}", timeout_ms)
+            except tf.errors.OpError:
+                logging.warning("%s: %s did not report the end of the run within "
+                                "--collective_timeout_s=%gs; leaving anyway",
+                                spec.name(0), spec.name(peer),
+                                self.config.collective_timeout_s)
 
     # -- introspection (--print_layouts, the run summary) -------------------
     def device_bytes(self, variables) -> int:
