@@ -143,14 +143,14 @@ def held_block(count):
     """`count` consecutive ports free in this namespace, held bound (not listening)
     so nothing here can answer on them: (first port, sockets to close)."""
     for _ in range(50):
-        first = socket.socket(socket.AF_INET6)
-        first.bind(("::", 0))
+        first = socket.socket()   # IPv4: what the outside connects to
+        first.bind(("0.0.0.0", 0))
         base, held = first.getsockname()[1], [first]
         try:
             for port in range(base + 1, base + count):
-                sock = socket.socket(socket.AF_INET6)
+                sock = socket.socket()
                 held.append(sock)
-                sock.bind(("::", port))
+                sock.bind(("0.0.0.0", port))
             return base, held
         except OSError:
             for sock in held:
