@@ -24,6 +24,8 @@
 #                     its own cached wheel.
 #   MAKEFLAGS         default -j$(nproc) (Horovod's setup.py otherwise uses -j8).
 #   TFDIST_HOROVOD_KEEP_DEBUG=1  keep DWARF debug info in the library (bigger wheel).
+#   TFDIST_HOROVOD_VERIFY=0      install a cached wheel without the smoke test (make test:
+#                                its Horovod tests run horovodrun themselves).
 #
 # Exit codes: 0 ok; 1 build/install/verification failed; 2 build prerequisites
 # missing (the apt-get command to fix it is printed); 64 usage error.
@@ -308,10 +310,16 @@ if ((!REBUILD)) && [[ -f "$CACHED_WHEEL" ]]; then
     install_wheel "$CACHED_WHEEL"
     if reason="$(check_installed)"; then
         log "installed: $reason"
-        # Always verify here: a cached wheel may be installed into a venv that
-        # differs from the one it was built in, and the run costs ~15 s.
-        ( verify_all ) || { "${PIP[@]}" uninstall -q -y horovod || true
-                            die "cached wheel installed but failed verification; uninstalled it (wheel kept: $CACHED_WHEEL)"; }
+        # Verify here: a cached wheel may be installed into a venv that differs
+        # from the one it was built in (~15 s alone, ~40 s beside the test
+        # suite's first tests). TFDIST_HOROVOD_VERIFY=0 leaves it to the caller:
+        # `make test` sets it, because its Horovod tests run horovodrun end to end.
+        if [[ "${TFDIST_HOROVOD_VERIFY:-1}" == 0 ]]; then
+            log "verification skipped (TFDIST_HOROVOD_VERIFY=0: the caller runs Horovod itself)"
+        else
+            ( verify_all ) || { "${PIP[@]}" uninstall -q -y horovod || true
+                                die "cached wheel installed but failed verification; uninstalled it (wheel kept: $CACHED_WHEEL)"; }
+        fi
         log "done from cache in $(( $(now) - t_start ))s"
         exit 0
     fi

@@ -16,7 +16,9 @@ STATUS=$VENV/horovod-build.status
 LOG=$VENV/horovod-build.log
 rm -f "$STATUS"
 start=$(date +%s)
-( make --no-print-directory horovod > "$LOG" 2>&1; code=$?
+# A cached wheel is installed without horovodrun's smoke test
+# (TFDIST_HOROVOD_VERIFY=0): tests/test_horovod.py runs horovodrun end to end.
+( TFDIST_HOROVOD_VERIFY=0 make --no-print-directory horovod > "$LOG" 2>&1; code=$?
   echo "$code $(( $(date +%s) - start ))" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS" ) &
 build=$!
 TFDIST_REQUIRE_HOROVOD=1 TFDIST_HOROVOD_BUILD_STATUS=$STATUS TFDIST_HOROVOD_BUILD_LOG=$LOG \

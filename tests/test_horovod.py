@@ -252,21 +252,12 @@ def _assert_ranks_match_single_device(run, single, initial):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", TASK_CASES)
 def test_two_ranks_train_keras_losses_and_metrics_like_one_device(first_run, case):
-    """test_tasks.run_case_workers on the shared run."""
-    import tfdist
-    from test_tasks import run_case
+    """test_tasks.check_case_workers on the shared run."""
+    from test_tasks import check_case_workers
 
     result, out_dir = first_run[f"task_{case}"]
     assert result.returncode == 0, result.stderr[-3000:]
-    initial = list(np.load(out_dir / "initial.npz").values())
-    workers = [_weights(out_dir, i) for i in (0, 1)]
-    for a, b in zip(*workers):
-        np.testing.assert_array_equal(a, b)
-    single = run_case(tfdist.train, mw_config("default", 10), case, initial)
-    assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
-    chief = json.loads((out_dir / "summary-0.json").read_text())
-    for key in ["loss", "test_loss", *single.summary["metrics"]]:
-        np.testing.assert_allclose(chief[key], single.summary[key], rtol=1e-5, err_msg=key)
+    check_case_workers(out_dir, case)
 
 
 @pytest.mark.timeout(240)

@@ -292,30 +292,51 @@ def run_case(train, config, case, initial):
     return train(config, model_fn=model_fn, dataset_fn=data)
 
 
-def run_case_workers(launcher_args, tmp_path, engine, case):
-    """CASES[case] on 2 processes under `engine` and on one device in-process:
-    the workers' weights (identical) match one device's on the same global
-    batches (each worker reads every other example; tfdist concatenates them)."""
-    initial = CASES[case][0](None).get_weights()
-    np.savez(tmp_path / "initial.npz", *initial)
+def run_case_workers(launcher_args, tmp_path, engine, cases):
+    """CASES[case] for each of `cases` on 2 processes under `engine` (one
+    cluster makes them in turn: tests/mw_worker.py with a list, run k in
+    tmp_path/k); returns the directory of each case's run."""
+    runs = []
+    for k, case in enumerate(cases):
+        (tmp_path / str(k)).mkdir()
+        np.savez(tmp_path / str(k) / "initial.npz", *CASES[case][0](None).get_weights())
+        runs.append({"task": case})
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run([*launcher_args, sys.executable, "tests/mw_worker.py", str(tmp_path),
-                             engine, "10", json.dumps({"task": case})], cwd=REPO, env=env,
+                             engine, "10", json.dumps(runs)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
-    workers = [list(np.load(tmp_path / f"weights-{i}.npz").values()) for i in (0, 1)]
+    return {case: tmp_path / str(k) for k, case in enumerate(cases)}
+
+
+def check_case_workers(run_dir, case):
+    """The workers' weights (identical) match one device's on the same global
+    batches (each worker reads every other example; tfdist concatenates
+    them), and the chief's summary matches one device's."""
+    initial = list(np.load(run_dir / "initial.npz").values())
+    workers = [list(np.load(run_dir / f"weights-{i}.npz").values()) for i in (0, 1)]
     for a, b in zip(*workers):
         np.testing.assert_array_equal(a, b)
     single = run_case(tfdist.train, mw_config("default", 10), case, initial)
     assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
-    chief = json.loads((tmp_path / "summary-0.json").read_text())
+    chief = json.loads((run_dir / "summary-0.json").read_text())
     for key in ["loss", "test_loss", *single.summary["metrics"]]:
         np.testing.assert_allclose(chief[key], single.summary[key], rtol=1e-5, err_msg=key)
 
 
+TWO_WORKER_CASES = ["regression", "tokens_mean_with_sample_weight"]
+
+
+@pytest.fixture(scope="module")
+def two_worker_runs(tmp_path_factory):
+    """One 2-worker multi_worker cluster makes every case of TWO_WORKER_CASES."""
+    return run_case_workers([os.path.join(BIN, "tfdist-launch"), "--workers=2", "--"],
+                            tmp_path_factory.mktemp("two_workers"), "multi_worker",
+                            TWO_WORKER_CASES)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["regression", "tokens_mean_with_sample_weight"])
-def test_two_workers_match_one_device(tmp_path, case):
-    run_case_workers([os.path.join(BIN, "tfdist-launch"), "--workers=2", "--"], tmp_path,
-                     "multi_worker", case)
+@pytest.mark.parametrize("case", TWO_WORKER_CASES)
+def test_two_workers_match_one_device(two_worker_runs, case):
+    check_case_workers(two_worker_runs[case], case)
