@@ -33,6 +33,7 @@ def read_scalars(directory):
     return scalars
 
 
+@pytest.mark.slow   # the profiler's trace (~15 s of `make unit`); make test runs it
 def test_tensorboard_has_every_scalar_and_the_profile_trace(tmp_path):
     config = run_config("mirrored", steps=6, steps_per_loop=2, model_dir=str(tmp_path),
                         precision="mixed_float16", profile_steps=(3, 4), grad_agreement_every=3)
