@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import pytest
 from tfdist.config import DataConfig
 from tfdist.data import tfds_inputs
 
+import netns
 from conftest import BIN, REPO
 
 LAUNCH = os.path.join(BIN, "tfdist-launch")
@@ -61,31 +61,10 @@ START_S = 200   # six clusters' start-up and training on a loaded 2-core machine
 PRIVATE_PORTS = 3   # the most tasks of a cluster (parameter_server: chief, worker, ps)
 
 
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+_ip = netns.ip
 
 
-def _why_not():
-    """Why this machine cannot run the tests (None: it can)."""
-    if os.geteuid() != 0:
-        return "network namespaces and a veth link into this host's namespace need root"
-    if shutil.which("ip") is None:
-        return "iproute2's `ip` is not installed"
-    name = f"{PREFIX}probe"
-    made = _ip("netns", "add", name, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    try:
-        veth = _ip("-n", name, "link", "add", f"{PREFIX}p0", "type", "veth",
-                   "peer", "name", f"{PREFIX}p1", check=False)
-        if veth.returncode != 0:
-            return f"cannot create a veth pair: {veth.stderr.strip()}"
-    finally:
-        _ip("netns", "del", name, check=False)   # takes the veth pair with it
-    return None
-
-
-_WHY = _why_not()
+_WHY = netns.why_not(PREFIX)
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
 
 

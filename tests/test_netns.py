@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 
@@ -30,6 +29,7 @@ from tfdist import checkpointing
 from tfdist.config import DataConfig
 from tfdist.data import tfds_inputs
 
+import netns
 from conftest import BIN, REPO
 
 TRAIN = os.path.join(BIN, "tfdist-train")
@@ -50,31 +50,10 @@ MARGIN_S = 15
 PREFIX = f"tfd{os.getpid()}"  # <= 15-character interface names: tfd<pid>v0
 
 
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+_ip = netns.ip
 
 
-def _why_no_netns():
-    """Why this machine cannot run the tests (None: it can)."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "iproute2's `ip` is not installed"
-    name = f"{PREFIX}probe"
-    made = _ip("netns", "add", name, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    try:
-        veth = _ip("-n", name, "link", "add", f"{PREFIX}p0", "type", "veth",
-                   "peer", "name", f"{PREFIX}p1", check=False)
-        if veth.returncode != 0:
-            return f"cannot create a veth pair: {veth.stderr.strip()}"
-    finally:
-        _ip("netns", "del", name, check=False)   # takes the veth pair with it
-    return None
-
-
-_WHY = _why_no_netns()
+_WHY = netns.why_not(PREFIX)
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
 
 
