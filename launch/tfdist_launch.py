@@ -25,9 +25,16 @@ through an unprivileged user namespace where the kernel allows one) before
 it starts any process. The workers then reach no other host (their data
 must be local). Each start prints every task's host:port and whether the
 cluster is confined; `TFDIST_NETWORK` (private or host) tells the workers.
+
+`--worker_memory=SIZE` caps the memory of every process of the cluster: each
+runs in a memory cgroup of its own (see `MemoryCaps`), made before it starts
+and removed when the cluster ends; `TFDIST_WORKER_MEMORY` (bytes) tells it
+the cap. `TFDIST_CGROUP_ROOT` says where the cgroup file system is mounted
+(default /sys/fs/cgroup).
 """
 
 import argparse
+import contextlib
 import errno
 import ipaddress
 import json
@@ -94,6 +101,22 @@ def _parser():
                               "where TensorFlow's gRPC servers listen unauthenticated on every "
                               "interface. auto: private when possible, else host with a warning "
                               "[default: %(default)s]")
+    memory = p.add_argument_group("memory")
+    memory.add_argument("--worker_memory", default=None, metavar="SIZE",
+                        help="cap the memory of each process of the cluster (every worker; with "
+                             "--ps also the chief and each parameter server) at SIZE, with "
+                             "no swap: an integer number of bytes with an optional K, M or G "
+                             "suffix, powers of 1024 (2G = 2147483648 bytes; 1500M; at least "
+                             "1M). Each process runs in a memory cgroup of its own (cgroup v2 "
+                             "memory.max with memory.swap.max 0, or cgroup v1 "
+                             "memory.limit_in_bytes), made under (cgroup v2: if need be "
+                             "beside) the launcher's cgroup before "
+                             "the process starts and removed when the cluster ends. A process "
+                             "over its cap is killed by the kernel's out-of-memory killer; the "
+                             "launcher names it and the cap and stops the rest of the cluster. "
+                             "Each process finds the cap in bytes in TFDIST_WORKER_MEMORY. Needs "
+                             "root (or a delegated cgroup): where the cgroups cannot be made the "
+                             "launcher exits 2 before starting anything [default: no cap]")
     faults = p.add_argument_group("faults")
     faults.add_argument("--max_restarts", type=int, default=0, metavar="R",
                         help="restart the whole group after a failure up to R times "
@@ -127,6 +150,8 @@ def parse_args(argv):
                          f"(omit it to let the OS pick free ports)")
     if opts.grace_s < 0:
         raise UsageError(f"--grace_s={opts.grace_s:g} must be 0 or more")
+    opts.memory_limit = (parse_memory(opts.worker_memory) if opts.worker_memory is not None
+                         else None)
     return opts, cmd
 
 
@@ -324,6 +349,228 @@ def describe_cluster(tasks, private, reason):
             f"not confined: {reason}")
 
 
+# -- --worker_memory: each process of the cluster in a memory cgroup of its own ---
+CGROUP_ROOT = "/sys/fs/cgroup"   # TFDIST_CGROUP_ROOT overrides it
+MIN_MEMORY = 1 << 20
+_SIZE = re.compile(r"([0-9]+)([KMG]?)", re.IGNORECASE)
+REMOVE_S = 5.0   # how long a cgroup's strays may take to die before we give up removing it
+
+
+def parse_memory(text):
+    """--worker_memory's SIZE in bytes: an integer, optionally K, M or G (powers of 1024)."""
+    found = _SIZE.fullmatch(text.strip())
+    if not found:
+        raise UsageError(f"--worker_memory={text} is not a size: use an integer number of bytes "
+                         "with an optional K, M or G suffix (powers of 1024), e.g. "
+                         "--worker_memory=2G or --worker_memory=1500M")
+    size = int(found[1]) << 10 * "_KMG".index(found[2].upper() or "_")
+    if size < MIN_MEMORY:
+        meant = f" (did you mean {text}M?)" if size and not found[2] else ""
+        raise UsageError(f"--worker_memory={text} is {size} bytes, too little to run a process; "
+                         f"give at least 1M{meant}")
+    if size >= 1 << 62:
+        raise UsageError(f"--worker_memory={text} is more than any kernel can cap; give less, "
+                         "or omit the flag for no cap")
+    return size
+
+
+class NoCgroup(Exception):
+    """The memory cgroups cannot be made here; the text says which step and why."""
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def _cgroup_write(path, text):
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise NoCgroup(f"writing {text!r} to {path}: {e.strerror}") from None
+
+
+def _remove_cgroup(path):
+    """rmdir a cgroup; processes still in it (strays that left their worker's
+    process group) are SIGKILLed first. Gives up, with a warning, after REMOVE_S."""
+    deadline = time.monotonic() + REMOVE_S
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                log(f"warning: cannot remove the cgroup {path}: {e.strerror}")
+                return
+        try:
+            strays = [int(pid) for pid in _read(f"{path}/cgroup.procs").split()]
+        except OSError:
+            strays = []
+        for pid in strays:
+            if pid != os.getpid():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(POLL_S)
+
+
+def _own_cgroups():
+    """{controller, or "" for the cgroup v2 hierarchy: path} of this process."""
+    own = {}
+    for line in _read("/proc/self/cgroup").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            own[controller] = path
+    return own
+
+
+class MemoryCaps:
+    """--worker_memory: a memory cgroup per process of the cluster, each capped,
+    made before any process starts and removed (`remove`) when the cluster ends.
+
+    The groups are `tfdist-launch-PID/ROLE-INDEX`. cgroup v2 caps a group by
+    memory.max (and memory.swap.max 0), but only once its parent enables the
+    memory controller for its children (cgroup.subtree_control), and a group
+    that does may hold no processes itself ("no internal processes"). So
+    `tfdist-launch-PID` is made under the launcher's own cgroup when the
+    launcher is alone there (it first moves itself into a leaf beside it,
+    `tfdist-launcher-PID`) or when its cgroup already enables memory for its
+    children (the root), else beside the launcher's cgroup when that cgroup's
+    parent already delegates memory. cgroup v1 (a memory hierarchy of
+    its own, as in hybrid set-ups) has no such rule: the groups are made under
+    the launcher's memory cgroup, capped by memory.limit_in_bytes and
+    memory.memsw.limit_in_bytes (memory plus swap: no swap).
+
+    A process joins its group at its first instruction: the launcher moves
+    itself into the group, forks it, and moves back (`placing`). A preexec_fn
+    writing the child's pid would run Python between fork and exec, which can
+    deadlock while the output threads run; a wrapper would hide an unrunnable
+    command behind a shell's exit status.
+    """
+
+    def __init__(self, limit, spelling, roles):
+        self.limit, self.flag = limit, f"--worker_memory={spelling}"
+        self.root = os.path.normpath(os.environ.get("TFDIST_CGROUP_ROOT") or CGROUP_ROOT)
+        self._undo = []        # what to do to remove everything made, in order made
+        self.leaves = {}       # (role, index) -> its cgroup directory
+        self.home = None       # the cgroup.procs of the launcher's own cgroup
+        self.no_swap = False   # a swap limit was written
+        try:
+            self._make(roles)
+        except (NoCgroup, OSError) as e:
+            self.remove()
+            why = f"reading {e.filename}: {e.strerror}" if isinstance(e, OSError) else e
+            raise UsageError(f"{self.flag}: cannot cap each process's memory: {why}") from None
+
+    def _make(self, roles):
+        try:
+            own = _own_cgroups()
+        except OSError as e:
+            raise NoCgroup(f"reading /proc/self/cgroup: {e.strerror}") from None
+        v2 = "" in own and os.path.exists(f"{self._at(own[''])}/cgroup.controllers")
+        if v2:
+            group = self._v2_group(self._at(own[""]))
+            self.events_file = "memory.events"
+            limit, swap = ("memory.max", self.limit), ("memory.swap.max", 0)
+        elif "memory" in own and os.path.isdir(self._at(own["memory"], "memory")):
+            here = self._at(own["memory"], "memory")
+            self.home = f"{here}/cgroup.procs"
+            group = self._mkdir(f"{here}/tfdist-launch-{os.getpid()}")
+            self.events_file = "memory.oom_control"
+            # memsw caps memory plus swap (so must come second, never below the first)
+            limit, swap = (("memory.limit_in_bytes", self.limit),
+                           ("memory.memsw.limit_in_bytes", self.limit))
+        else:
+            raise NoCgroup(f"no cgroup v2 hierarchy and no cgroup v1 memory hierarchy holding "
+                           f"this process under {self.root} (TFDIST_CGROUP_ROOT)")
+        for role, index in roles:
+            leaf = self._mkdir(f"{group}/{role}-{index}")
+            _cgroup_write(f"{leaf}/{limit[0]}", str(limit[1]))
+            self.no_swap = os.path.exists(f"{leaf}/{swap[0]}")   # without swap accounting: none
+            if self.no_swap:
+                _cgroup_write(f"{leaf}/{swap[0]}", str(swap[1]))
+            self.leaves[role, index] = leaf
+
+    def _at(self, path, hierarchy=""):
+        return os.path.normpath(os.path.join(self.root, hierarchy, path.lstrip("/")))
+
+    def _v2_group(self, here):
+        """Make tfdist-launch-PID with the memory controller for its children (see the class)."""
+        offered = _read(f"{here}/cgroup.controllers").split()
+        if "memory" not in offered:
+            raise NoCgroup(f"the memory controller is not available in the launcher's cgroup "
+                           f"{here} (it offers: {' '.join(offered) or 'none'})")
+        self.home = f"{here}/cgroup.procs"
+        parent = here
+        if "memory" not in _read(f"{here}/cgroup.subtree_control").split():
+            if _read(self.home).split() == [str(os.getpid())]:   # alone: step into a leaf
+                leaf = self._mkdir(f"{here}/tfdist-launcher-{os.getpid()}")
+                self._move(f"{leaf}/cgroup.procs")
+                self._undo.append(lambda: self._move(f"{here}/cgroup.procs"))
+                self.home = f"{leaf}/cgroup.procs"
+                self._enable_memory(here)
+            elif (here != self.root and "memory" in
+                  _read(f"{os.path.dirname(here)}/cgroup.subtree_control").split()):
+                parent = os.path.dirname(here)
+            else:
+                raise NoCgroup(f"the launcher's cgroup {here} holds other processes (cgroup v2 "
+                               "gives no controller to the children of a group with processes) "
+                               "and its parent does not delegate the memory controller; start "
+                               "the launcher in a cgroup of its own (e.g. systemd-run --scope)")
+        group = self._mkdir(f"{parent}/tfdist-launch-{os.getpid()}")
+        self._enable_memory(group)
+        return group
+
+    def _enable_memory(self, path):
+        _cgroup_write(f"{path}/cgroup.subtree_control", "+memory")
+        self._undo.append(lambda: _cgroup_write(f"{path}/cgroup.subtree_control", "-memory"))
+
+    def _mkdir(self, path):
+        try:
+            os.mkdir(path)
+        except OSError as e:
+            raise NoCgroup(f"making the cgroup {path}: {e.strerror}") from None
+        self._undo.append(lambda: _remove_cgroup(path))
+        return path
+
+    def _move(self, procs):
+        """Move the launcher (every thread of it) into the cgroup of `procs`."""
+        _cgroup_write(procs, str(os.getpid()))
+
+    @contextlib.contextmanager
+    def placing(self, role, index):
+        """The launcher in `role index`'s cgroup while it starts that process (see the class)."""
+        try:
+            self._move(f"{self.leaves[role, index]}/cgroup.procs")
+            try:
+                yield
+            finally:
+                self._move(self.home)
+        except NoCgroup as e:
+            raise UsageError(f"{self.flag}: cannot start {role} {index} in its cgroup: {e}") \
+                from None
+
+    def events(self, role, index):
+        """The file counting OOM kills in `role index`'s cgroup."""
+        return f"{self.leaves[role, index]}/{self.events_file}"
+
+    def describe(self):
+        swap = " (no swap)" if self.no_swap else ""
+        return (f"{self.flag}: each process in a memory cgroup of its own, capped at "
+                f"{self.limit} bytes{swap}")
+
+    def remove(self):
+        """Undo everything made, newest first: the processes' cgroups (killing any
+        process left in one), their parent, and the launcher's own move. Bounded."""
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except NoCgroup as e:
+                log(f"warning: {self.flag}: while removing its cgroups: {e}")
+
+
 def tf_config(host, ports, index):
     cluster = {"worker": [f"{host}:{p}" for p in ports]}
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
@@ -400,15 +647,18 @@ def _oom_kills(path):
 class Worker:
     """One worker process in its own session, so a signal reaches its whole process group."""
 
-    def __init__(self, index, cmd, env, role="worker"):
+    def __init__(self, index, cmd, env, role="worker", caps=None):
         self.index, self.role = index, role
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+        self.cap = caps.flag if caps else None   # --worker_memory=SIZE: its cgroup is ours
+        self.cgroup_events = caps.events(role, index) if caps else None  # its OOM-kill counter
+        self.oom_kills_before = _oom_kills(self.cgroup_events) if caps else None
+        with caps.placing(role, index) if caps else contextlib.nullcontext():
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
         prefix = f"[{role} {index}] ".encode()
         self.last_step = None              # from its progress lines
         self.batch = None                  # from its start-up line
-        self.cgroup_events = None          # its memory cgroup's OOM-kill counter file
-        self.oom_kills_before = None
         self.note_cgroup()
         self.pumps = [threading.Thread(target=_pump, args=(pipe, out, prefix, self), daemon=True)
                       for pipe, out in ((self.proc.stdout, sys.stdout.buffer),
@@ -418,7 +668,7 @@ class Worker:
 
     def note_cgroup(self):
         """Follow the worker's memory cgroup (it may move into one after start)."""
-        if self.proc.poll() is not None:
+        if self.cap or self.proc.poll() is not None:
             return
         events = _memory_events(self.proc.pid)
         exiting = events in ("/sys/fs/cgroup/memory.events",
@@ -463,32 +713,44 @@ class Worker:
             where = (f" after step {self.last_step}" if self.last_step is not None
                      else " before its first progress line")
             batch = f" (global batch {self.batch})" if self.batch else ""
-            text += (f": out of memory{where}{batch}, killed by the kernel's OOM killer (its memory "
-                     f"cgroup counted the kill in {self.cgroup_events}); to use less memory: "
+            cap = f" at its {self.cap} cap" if self.cap else ""
+            text += (f": out of memory{where}{batch}, killed by the kernel's OOM killer{cap} (its "
+                     f"memory cgroup counted the kill in {self.cgroup_events}); to use less memory: "
                      "--accum_steps (smaller micro-batches), --recompute, "
-                     "--precision=mixed_bfloat16, or a smaller --global_batch_size")
+                     "--precision=mixed_bfloat16, or a smaller --global_batch_size"
+                     + ("; or give it more: a larger --worker_memory" if self.cap else ""))
         return text
 
 
-def start_group(opts, cmd, attempt, network=(False, None)):
-    """Start every process of one attempt; `network` is (private, why not) from choose_network."""
+def cluster_roles(opts):
+    """(task type, index) of every process the launcher starts."""
+    return (ps_roles(opts.workers, opts.ps) if opts.ps
+            else [("worker", i) for i in range(opts.workers)])
+
+
+def start_group(opts, cmd, attempt, network=(False, None), caps=None):
+    """Start every process of one attempt; `network` is (private, why not) from choose_network;
+    `caps` the MemoryCaps of --worker_memory, or None."""
     private, reason = network
-    roles = (ps_roles(opts.workers, opts.ps) if opts.ps
-             else [("worker", i) for i in range(opts.workers)])
+    roles = cluster_roles(opts)
     ports = pick_ports(opts.host, len(roles), opts.port_base)
+    memory = {"TFDIST_WORKER_MEMORY": str(caps.limit)} if caps else {}
     workers = []
     try:
         for i, (role, index) in enumerate(roles):
             config = (ps_tf_config(opts.host, ports, roles, i) if opts.ps
                       else tf_config(opts.host, ports, i))
             env = dict(os.environ, TF_CONFIG=config, TFDIST_LAUNCH_ATTEMPT=str(attempt),
-                       TFDIST_NETWORK="private" if private else "host")
-            workers.append(Worker(index, cmd, env, role))
-    except OSError as e:
+                       TFDIST_NETWORK="private" if private else "host", **memory)
+            workers.append(Worker(index, cmd, env, role, caps))
+    except (OSError, UsageError) as e:
         stop_group(workers, signal.SIGTERM, opts.grace_s)
+        if isinstance(e, UsageError):
+            raise
         raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
-    log(describe_cluster([(role, index, f"{opts.host}:{port}")
-                          for (role, index), port in zip(roles, ports)], private, reason))
+    line = describe_cluster([(role, index, f"{opts.host}:{port}")
+                             for (role, index), port in zip(roles, ports)], private, reason)
+    log(f"{line}; {caps.describe()}" if caps else line)
     return workers
 
 
@@ -594,13 +856,13 @@ def supervise_ps(group, interrupts, grace_s):
         time.sleep(POLL_S)
 
 
-def run(opts, cmd, interrupts, network=(False, None)):
+def run(opts, cmd, interrupts, network=(False, None), caps=None):
     """Start the group, restarting it after failures; return the launcher's exit status."""
     for attempt in range(opts.max_restarts + 1):
         if attempt:
             log(f"restarting all workers (restart {attempt} of {opts.max_restarts})")
         watch = supervise_ps if opts.ps else supervise
-        outcome = watch(start_group(opts, cmd, attempt, network), interrupts, opts.grace_s)
+        outcome = watch(start_group(opts, cmd, attempt, network, caps), interrupts, opts.grace_s)
         if outcome is None:
             return 0
         if isinstance(outcome, int):
@@ -625,14 +887,19 @@ def main(argv=None):
     interrupts = []  # signal handlers only record; the poll loop acts within POLL_S
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda s, _frame: interrupts.append(s))
+    caps = None
     try:
         opts, cmd = parse_args(argv)
+        if opts.memory_limit is not None:   # before any process: each starts in its cgroup
+            caps = MemoryCaps(opts.memory_limit, opts.worker_memory, cluster_roles(opts))
         network = choose_network(opts)   # before any thread or process is started
-        return run(opts, cmd, interrupts, network)
+        return run(opts, cmd, interrupts, network, caps)
     except UsageError as e:
         log(f"error: {e}")
         return 2
     finally:
+        if caps:
+            caps.remove()
         _close_output()
 
 

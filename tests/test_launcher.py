@@ -1,7 +1,8 @@
 """tfdist-launch: TF_CONFIG per worker, prefixed output, fail-fast with every
 worker gone, restarts, signal forwarding, ports in use skipped, bad usage exit 2,
-and --network: the cluster's own loopback-only network namespace (as root, as
-an unprivileged user, refused by the kernel).
+--network: the cluster's own loopback-only network namespace (as root, as
+an unprivileged user, refused by the kernel), and --worker_memory: a memory
+cgroup per worker, whose OOM kill is named and whose groups are removed.
 
 Workers are tiny `python -c` scripts (no TensorFlow), so each test takes about a
 second. Workers hand their pids to the test through files in tmp_path, so the
@@ -21,6 +22,7 @@ import time
 
 import pytest
 
+import tfdist_launch
 from conftest import BIN, REPO
 
 pytestmark = pytest.mark.integration
@@ -248,6 +250,12 @@ def test_interrupt_is_forwarded_and_not_restarted(tmp_path, signum):
     (["--workers=2", "--host=0.0.0.0", "--network=private", "--", "true"],
      "--network=private: cannot confine the cluster: --host=0.0.0.0 is not a loopback address "
      "(0.0.0.0); use --host=localhost or --network=host"),
+    (["--workers=2", "--worker_memory=2GB", "--", "true"],
+     "--worker_memory=2GB is not a size: use an integer number of bytes with an optional K, M or "
+     "G suffix (powers of 1024)"),
+    (["--workers=2", "--worker_memory=512", "--", "true"],
+     "--worker_memory=512 is 512 bytes, too little to run a process; give at least 1M (did you "
+     "mean 512M?)"),
 ])
 def test_bad_usage_exits_2_with_one_line(args, message):
     result = subprocess.run([LAUNCH, *args], capture_output=True, text=True, timeout=20)
@@ -438,3 +446,125 @@ def test_a_kernel_that_refuses_namespaces_gets_a_warning_or_exit_2_with_private(
     [line] = private.stderr.splitlines()
     assert line.startswith(f"tfdist-launch: error: --network=private: cannot confine the "
                            f"cluster: {refusal}") and line.endswith("; use --network=host"), line
+
+
+# -- --worker_memory: each process in a memory cgroup of its own -----------------
+@pytest.mark.parametrize("text,size", [
+    ("2G", 2 << 30), ("1500M", 1500 << 20), ("4096k", 4 << 20), ("1m", 1 << 20),
+    ("1048576", 1 << 20), (" 3G ", 3 << 30)])
+def test_worker_memory_sizes_are_powers_of_1024(text, size):
+    assert tfdist_launch.parse_memory(text) == size
+
+
+@pytest.mark.parametrize("text,message", [
+    ("1.5G", "is not a size"), ("2GB", "is not a size"), ("-1M", "is not a size"),
+    ("", "is not a size"), ("1T", "is not a size"), ("0", "is 0 bytes, too little"),
+    ("1023K", "is 1047552 bytes, too little to run a process; give at least 1M"),
+    ("99999999999G", "is more than any kernel can cap")])
+def test_worker_memory_bad_sizes_name_the_flag(text, message):
+    with pytest.raises(tfdist_launch.UsageError) as error:
+        tfdist_launch.parse_memory(text)
+    assert str(error.value).startswith(f"--worker_memory={text} {message}"), error.value
+
+
+def _own_cgroup_v2_path():
+    """This process's path in the cgroup v2 hierarchy (the launcher starts in the same), or None."""
+    with open("/proc/self/cgroup") as f:
+        return next((line.split(":", 2)[2] for line in f.read().splitlines()
+                     if line.startswith("0::")), None)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("root", ["missing", "v2_without_memory"])
+def test_worker_memory_without_usable_cgroups_exits_2_before_any_worker(tmp_path, root):
+    """TFDIST_CGROUP_ROOT points at a directory with no cgroups, or at a cgroup v2
+    tree whose controllers do not include memory: one line naming the flag and
+    why, exit 2, no worker started, nothing made under that root."""
+    fake = tmp_path / "cgroup"
+    reason = f"no cgroup v2 hierarchy and no cgroup v1 memory hierarchy holding this process " \
+             f"under {fake} (TFDIST_CGROUP_ROOT)"
+    v2_path = _own_cgroup_v2_path()
+    if root == "v2_without_memory":
+        if v2_path is None:
+            pytest.skip("this process has no cgroup v2 path to imitate")
+        own = fake / v2_path.lstrip("/")
+        own.mkdir(parents=True)
+        (own / "cgroup.controllers").write_text("cpu io pids\n")
+        reason = (f"the memory controller is not available in the launcher's cgroup "
+                  f"{os.path.normpath(own)} (it offers: cpu io pids)")
+    before = sorted(fake.rglob("*")) if fake.exists() else []
+    result = subprocess.run([LAUNCH, "--workers=2", "--worker_memory=64M", "--",
+                             *worker_cmd("mark(f'started{IDX}')", tmp_path)],
+                            capture_output=True, text=True, timeout=20,
+                            env={**os.environ, "TFDIST_CGROUP_ROOT": str(fake)})
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.splitlines() == [
+        f"tfdist-launch: error: --worker_memory=64M: cannot cap each process's memory: {reason}"]
+    assert not list(tmp_path.glob("started*"))
+    assert (sorted(fake.rglob("*")) if fake.exists() else []) == before
+
+
+# Worker 1 allocates (and so touches) 192M once worker 0 is up; worker 0 waits
+# for worker 1 to finish. Each first says which memory cgroup it started in.
+HOG_MB = 192
+MEMORY_HOG = f"""
+    lines = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
+    v1 = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
+    v2 = [path for _, controllers, path in lines if not controllers]
+    where = ("memory", v1[0]) if v1 else ("", v2[0])
+    print("cgroup", os.environ["TFDIST_WORKER_MEMORY"], *where, flush=True)
+    if IDX == 0:
+        mark("up"); wait_for("done")
+    else:
+        wait_for("up")
+        hog = b"x" * ({HOG_MB} << 20)
+        mark("done")
+"""
+
+
+def _run_capped(cap, tmp_path):
+    """Launch 2 MEMORY_HOG workers under --worker_memory=cap: (CompletedProcess,
+    the launcher's pid, {worker: (TFDIST_WORKER_MEMORY, cgroup directory)})."""
+    tmp_path.mkdir()
+    proc = subprocess.Popen([LAUNCH, "--workers=2", f"--worker_memory={cap}", "--grace_s=5",
+                             "--", *worker_cmd(MEMORY_HOG, tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if result.returncode == 2 and "cannot cap each process's memory" in err:
+        pytest.skip(f"no memory cgroups here: {err.strip()}")
+    found = re.findall(r"^\[worker (\d)\] cgroup (\d+) (\w*) (\S+)$", out, re.M)
+    groups = {int(i): (int(limit), os.path.join("/sys/fs/cgroup", hierarchy, path.lstrip("/")))
+              for i, limit, hierarchy, path in found}
+    return result, proc.pid, groups
+
+
+@pytest.mark.timeout(60)   # integration: the module's pytestmark
+def test_worker_memory_oom_kill_is_named_with_the_cap_and_its_cgroups_removed(tmp_path):
+    """Under --worker_memory=64M worker 1's 192M kills it (the kernel's OOM
+    killer, counted by its cgroup): one line names it and the cap, worker 0 is
+    stopped, and no cgroup the launcher made is left. Under 512M the same run
+    succeeds: the cap is what killed it."""
+    killed, pid, groups = _run_capped("64M", tmp_path / "capped")
+    assert killed.returncode == 1, killed.stderr
+    assert f"--worker_memory=64M: each process in a memory cgroup of its own, capped at " \
+           f"{64 << 20} bytes" in killed.stderr.splitlines()[0], killed.stderr
+    assert sorted(groups) == [0, 1], killed.stdout
+    for index, (limit, group) in groups.items():   # in its own cgroup from the start
+        assert limit == 64 << 20
+        assert group.endswith(f"/tfdist-launch-{pid}/worker-{index}"), group
+        assert not os.path.exists(os.path.dirname(group)), group   # removed, leaves and all
+    final = last_line(killed.stderr)
+    assert final.startswith("tfdist-launch: failed: worker 1 was killed by signal SIGKILL: out "
+                            "of memory before its first progress line, killed by the kernel's "
+                            "OOM killer at its --worker_memory=64M cap"), final
+    assert gone(read_pid(tmp_path / "capped", "up"))
+
+    ran, pid, groups = _run_capped("512M", tmp_path / "roomy")
+    assert ran.returncode == 0, ran.stderr
+    assert "out of memory" not in ran.stderr and (tmp_path / "roomy" / "done").exists()
+    assert {limit for limit, _ in groups.values()} == {512 << 20}
+    assert not any(os.path.exists(os.path.dirname(group)) for _, group in groups.values())
