@@ -387,13 +387,17 @@ def test_print_layouts_lists_every_variable_and_the_totals(data_dir):
                                   dataset_fn=image_dataset_fn, spec=IMAGE_SPEC,
                                   layout_rules=models.layout_rules(CASES["mlp"][0]))
     lines = report.splitlines()
-    kernel = next(l for l in lines if l.startswith("hidden_0/kernel "))
-    # 192x16 float32 = 12,288 bytes, split 4 ways over `model`.
-    assert kernel.split()[1:] == ["192x16", "(-,", "model)", "12,288", "3,072"], kernel
-    # Its Adam slot (Keras numbers repeated optimizers: adam, adam_1, ...).
-    assert any(l.startswith("adam") and "/hidden_0_kernel_momentum " in l
+    kernel = next(l for l in lines if l.startswith("variable  hidden_0/kernel "))
+    # 192x16 float32 = 12,288 bytes, split 4 ways over `model`, stored as used.
+    assert kernel.split()[2:] == ["192x16", "(-,", "model)", "(-,", "model)", "12,288",
+                                  "3,072"], kernel
+    # Its gradient, read from the shards of a backward pass, and its Adam slot
+    # (Keras numbers repeated optimizers: adam, adam_1, ...).
+    assert any(l.startswith("gradient  hidden_0/kernel ") and l.endswith(" 3,072")
+               for l in lines), report
+    assert any(l.startswith("slot      adam") and "/hidden_0_kernel_momentum " in l
                and l.endswith(" 3,072") for l in lines), report
-    assert lines[-1].startswith("parameters + optimizer per device:")
+    assert lines[-1].startswith("parameters + gradients + optimizer per device:")
 
 
 # -- the trained model on host data -------------------------------------------

@@ -194,6 +194,8 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
     layout_rules: `--strategy=dtensor` only: [(regex over variable path,
       sharding spec)], e.g. [(r"dense/kernel$", (None, "model"))]; default: the
       registered builder's rules (none, i.e. replicated, for your own model_fn).
+      A `keras.distribution.LayoutMap` (axes batch and model) works too, with
+      Keras's matching (`tfdist.sharding.LayoutRules.from_keras`).
     loss: a Keras 3 loss (object or name) or a callable (y_true, y_pred) ->
       per-example (or per-position) loss; default: the compiled model's, else
       `config.train.loss` on logits.
@@ -205,6 +207,8 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
     strategies.check_name(config.strategy.name)
     if model_fn is None:
         models.check_name(config.model.name)
+    if layout_rules is not None:   # a bad LayoutMap fails here, before the engine starts
+        layout_rules = sharding.as_layout_rules(layout_rules)
     if export_dir is not None:
         config = config.replace(train=config.train.replace(export_dir=export_dir))
     strategy = strategies.create(config.strategy)
@@ -233,7 +237,7 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
         layout_rules = models.layout_rules(config.model)
     sharded = capability(strategy, TensorSharding)
     if sharded:
-        sharded.set_layout_rules(sharding.LayoutRules(layout_rules or ()))
+        sharded.set_layout_rules(sharding.as_layout_rules(layout_rules))
     precision = Precision(config.train.precision,
                           loss_scale_growth_steps=config.train.loss_scale_growth_steps)
     keras.utils.set_random_seed(config.train.seed)
@@ -290,6 +294,10 @@ def _check_run(config, strategy, dataset_fn, spec):
     """Every check of the run's settings against the engine and the data,
     before anything is built; returns the inputs."""
     tc = config.train
+    if config.strategy.zero and not isinstance(strategy, TensorSharding):
+        raise UsageError(f"--zero_stage={config.strategy.zero} splits state over a device "
+                         f"mesh's batch axis; --strategy={config.strategy.name} has no mesh "
+                         "(use --strategy=dtensor, or --zero_stage=0)")
     strategy.check_config(config)
     check_batch(config, strategy.num_replicas)
     xla.check(tc.jit_compile, strategy)

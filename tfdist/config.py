@@ -88,6 +88,9 @@ class _Replace:
         return dataclasses.replace(self, **changes)
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategyConfig(_Replace):
     """Which engine runs the replicas and how it is set up."""
@@ -112,8 +115,13 @@ class StrategyConfig(_Replace):
     # parameter_server: split a variable over the parameter servers in shards
     # of at least this many bytes (MinSizePartitioner); 0: never split.
     ps_shard_bytes: int = 256 << 10
-    # dtensor: the device mesh (batch x model axes) and ZeRO-1 optimizer state.
+    # dtensor: the device mesh (batch x model axes) and the ZeRO stage: what is
+    # also split over the mesh's batch axis (1: optimizer state; 2: + gradients;
+    # 3: + the variables themselves, gathered for use: FSDP).
+    # `shard_optimizer_state` is the older name of stage 1 (an alias: a higher
+    # stage, which includes stage 1, wins).
     mesh: str = "batch:1,model:2"
+    zero_stage: int = 0
     shard_optimizer_state: bool = False
     # horovod under an elastic horovodrun (--min-np/--max-np): the training
     # state lives in Horovod's elastic state object, committed every
@@ -133,10 +141,18 @@ class StrategyConfig(_Replace):
         _non_negative("elastic_commit_every", self.elastic_commit_every)
         _one_of("task_type", self.task_type, TASK_TYPES)
         _non_negative("ps_shard_bytes", self.ps_shard_bytes)
+        if self.zero_stage not in ZERO_STAGES:
+            raise ConfigError(f"zero_stage={self.zero_stage!r} is not a ZeRO stage; valid: "
+                              f"{', '.join(map(str, ZERO_STAGES))}")
         try:
             sharding.parse_mesh(self.mesh)
         except UsageError as error:
             raise ConfigError(str(error)) from None
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage in effect (`shard_optimizer_state` is stage 1)."""
+        return max(self.zero_stage, 1 if self.shard_optimizer_state else 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,10 +95,18 @@ _MESH = flags.DEFINE_string(
     "mesh", _STRATEGY_DEFAULTS.mesh,
     "dtensor: the device mesh, batch:B,model:M (B-way data parallel x M-way tensor "
     "sharding; B*M devices, e.g. --virtual_devices=B*M on a CPU host).")
+_ZERO_STAGE = flags.DEFINE_enum(
+    "zero_stage", str(_STRATEGY_DEFAULTS.zero_stage), ["0", "1", "2", "3"],
+    "dtensor: what is also split over the mesh's batch axis (ZeRO). 0: nothing (each "
+    "variable, gradient and optimizer slot is split by its layout rule only); 1: "
+    "optimizer slots; 2: slots and gradients (reduce-scattered out of the backward "
+    "pass); 3: slots, gradients and the variables themselves, each gathered just "
+    "before use (FSDP). Per-device bytes of parameters + gradients + optimizer state "
+    "fall towards 1/(batch x model) of one device's.")
 _SHARD_OPTIMIZER_STATE = flags.DEFINE_boolean(
     "shard_optimizer_state", _STRATEGY_DEFAULTS.shard_optimizer_state,
-    "dtensor: also split optimizer slots over the batch axis (ZeRO-1), so per-device "
-    "optimizer memory falls with the whole mesh.")
+    "dtensor: the older name of --zero_stage=1 (split optimizer slots over the batch "
+    "axis); with a higher --zero_stage, which includes it, the higher stage applies.")
 _ELASTIC = flags.DEFINE_boolean(
     "elastic", _STRATEGY_DEFAULTS.elastic,
     "horovod under an elastic horovodrun (--min-np/--max-np --host-discovery-script): keep "
@@ -324,6 +332,7 @@ def run_config() -> config_lib.RunConfig:
                 ps_hosts=tuple(_PS_HOSTS.value), task_type=_TASK_TYPE.value,
                 ps_shard_bytes=_PS_SHARD_BYTES.value,
                 shard_optimizer_state=_SHARD_OPTIMIZER_STATE.value,
+                zero_stage=int(_ZERO_STAGE.value),
                 elastic=_ELASTIC.value, elastic_commit_every=_ELASTIC_COMMIT_EVERY.value),
             model=config_lib.ModelConfig(
                 name=_MODEL.value, width=_MODEL_WIDTH.value, depth=_MODEL_DEPTH.value,

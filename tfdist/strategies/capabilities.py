@@ -15,6 +15,7 @@ Each interface may be implemented by a class yet not used by a given run
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -47,6 +48,17 @@ class TensorSharding(Capability):
     @abc.abstractmethod
     def layout_report(self, model, optimizer) -> str:
         """A table of every variable's sharding and the per-device totals."""
+
+    def compute_scope(self):
+        """A context for the forward and backward passes, in which sharded
+        variables are read in the layout they compute in (ZeRO-3 gathers them
+        there). Default: reads as stored."""
+        return contextlib.nullcontext()
+
+    def shard_gradients(self, grads: list, variables: list) -> list:
+        """Gradients as they leave the backward pass, in the layout they are
+        accumulated and applied in (ZeRO-2 splits them). Default: as given."""
+        return list(grads)
 
     def end_of_run(self) -> None:
         """Called by every process after the run's last collective (the copy

@@ -11,9 +11,23 @@ How a Keras 3 model lands on the mesh (Keras has no DTensor path on the
 TensorFlow backend): the model and optimizer are built inside
 `tf.variable_creator_scope`, whose creator turns each variable's initial value
 into a DTensor with the layout its rule gives. Optimizer slots always take
-their variable's layout (a slot on another layout makes Adam silently wrong),
-or with `--shard_optimizer_state` additionally split over `batch` (ZeRO-1);
+their variable's layout (a slot on another layout makes Adam silently wrong);
 the updates run through `dtensor_updates`, which never reads a slot back.
+
+ZeRO (`--zero_stage`) also splits state over the `batch` axis, on a dimension
+the variable's rule leaves whole (`sharding.zero_spec`):
+  1: optimizer slots (gathered to the variable's layout for the update);
+  2: slots and gradients: each gradient leaves the backward pass in its slot's
+     layout (the data-parallel sum becomes a reduce-scatter), accumulates and
+     updates there; only the weight update is gathered to the variable;
+  3 (FSDP): slots, gradients and the variables themselves. A variable is
+     stored split; inside `compute_scope` (the trainer's forward and backward
+     passes) every read of it is relayouted to its rule's layout (an
+     all-gather), and the gradient of that relayout comes back split as
+     stored (a reduce-scatter). Each shard is created where it lives: the
+     initial value is computed by a DTensor function whose output has the
+     stored layout, so no process builds a whole variable (DTensor seeds
+     random ops per device: initial values then differ by mesh).
 """
 
 from __future__ import annotations
@@ -22,6 +36,8 @@ import contextlib
 import functools
 import os
 import signal
+import threading
+from typing import Optional
 
 from absl import logging
 import keras
@@ -75,6 +91,29 @@ def _gather(value):
     return dtensor.unpack(dtensor.relayout(value, replicated))[0]
 
 
+class _Gathering(threading.local):
+    active = False
+
+
+_gathering = _Gathering()   # inside DTensorStrategy.compute_scope (this thread)
+
+
+def _made_on_mesh(initial_value, layout, dtype):
+    """`initial_value()` computed as a DTensor with `layout`, each device
+    making only its own shard: in a DTensor function, the relayout of the
+    result propagates the layout back to the ops that make it (verified for
+    Keras's random and constant initializers: the shards differ from one
+    device's values, so nothing whole was made and sliced). Eagerly,
+    `dtensor.call_with_layout` cannot do this for Keras's random
+    initializers: their rank-1 seed takes the rank-2 default layout and fails."""
+    @tf.function(autograph=False)
+    def make():
+        return dtensor.relayout(tf.convert_to_tensor(initial_value(), dtype=dtype), layout)
+
+    with dtensor.default_mesh(layout.mesh):
+        return make()
+
+
 class MeshVariable(dtensor.DVariable):
     """A DTensor variable that also takes and gives host values eagerly.
 
@@ -97,6 +136,17 @@ class MeshVariable(dtensor.DVariable):
 
     def assign_sub(self, value, *args, **kwargs):
         return super().assign_sub(self._host_to_mesh(value), *args, **kwargs)
+
+    # Under --zero_stage=3, the layout its reads take inside `compute_scope`.
+    compute_layout = None
+
+    def _read_variable_op(self, *args, **kwargs):
+        value = super()._read_variable_op(*args, **kwargs)
+        if self.compute_layout is not None and _gathering.active:
+            # FSDP: all-gather for use; its gradient is the reduce-scatter
+            # back to the stored layout. Read on every use, not kept.
+            value = dtensor.relayout(value, self.compute_layout)
+        return value
 
     def numpy(self):
         return _gather(self.read_value()).numpy()
@@ -121,7 +171,10 @@ class DTensorStrategy(Strategy, TensorSharding):
         self.axes = dict(sharding.parse_mesh(config.mesh))
         self.mesh = None
         self._spec = None        # the cluster, when the mesh spans processes
-        self._var_specs = {}     # model variable path -> spec
+        self._var_specs = {}     # model variable path -> the spec it computes in
+        self._update_layouts = {}  # id(trainable variable) -> its update's layout
+        self._var_layouts = {}     # id(trainable variable) -> its stored layout
+        self.zero = config.zero  # the ZeRO stage (--zero_stage)
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -228,39 +281,83 @@ class DTensorStrategy(Strategy, TensorSharding):
         self.layout_rules = rules
 
     def _spec_for(self, path: str, shape) -> tuple:
+        """(the spec it computes in, the spec it is stored in, "variable" or
+        "slot") of the variable being created at `path`."""
         for var_path, spec in sorted(self._var_specs.items(), key=lambda kv: -len(kv[0])):
             flat = var_path.replace("/", "_")
             if "/" in path and path.split("/", 1)[1].startswith(flat + "_") and \
                     len(spec) == len(shape):
                 # An optimizer slot, `<optimizer>/<variable path with _>_<slot>`:
-                # its variable's layout (plus `batch` under ZeRO-1).
-                if self.config.shard_optimizer_state:
-                    return sharding.zero_spec(spec, shape, self.axes), "slot"
-                return spec, "slot"
+                # its variable's layout (plus `batch` under ZeRO).
+                stored = sharding.zero_spec(spec, shape, self.axes) if self.zero else spec
+                return stored, stored, "slot"
         spec = self.layout_rules.spec_for(path, shape, self.axes)
-        return spec, "variable"
+        stored = spec
+        if self.zero >= 3:
+            stored = sharding.zero_spec(spec, shape, self.axes)
+            sharding.check_fsdp_split(path, spec, stored, shape, self.axes)
+        return spec, stored, "variable"
+
+    def _layout(self, spec):
+        return dtensor.Layout([a or dtensor.UNSHARDED for a in spec], self.mesh)
 
     def _creator(self, next_creator, **kwargs):
         initial_value = kwargs["initial_value"]
-        path = _keras_path(initial_value, kwargs.get("name") or "")
+        owner = compat.keras_variable_of(initial_value) if callable(initial_value) else None
+        path = owner.path if owner is not None else _keras_path(initial_value,
+                                                                 kwargs.get("name") or "")
+        dtype = kwargs.get("dtype")
         with tf.init_scope():
-            value = initial_value() if callable(initial_value) else initial_value
-            value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
-            if dtensor.is_dtensor(value):
-                # Optimizer slots are made "colocated with" their variable, so
-                # their zeros arrive as DTensors already, on some layout: gather.
-                value = self.to_host(value)
+            value = None
+            if owner is None or self.zero < 3:
+                value = initial_value() if callable(initial_value) else initial_value
+                value = tf.convert_to_tensor(value, dtype=dtype)
+                if dtensor.is_dtensor(value):
+                    # Optimizer slots are made "colocated with" their variable, so
+                    # their zeros arrive as DTensors already, on some layout: gather.
+                    value = self.to_host(value)
+            shape = value.shape.as_list() if value is not None else list(owner.shape)
             try:
-                spec, kind = self._spec_for(path, value.shape.as_list())
+                spec, stored, kind = self._spec_for(path, shape)
             except UsageError as error:
                 self.usage_error = error
                 raise
             if kind == "variable":
                 self._var_specs[path] = spec
-            layout = dtensor.Layout([a or dtensor.UNSHARDED for a in spec], self.mesh)
-            kwargs["initial_value"] = _lay_out(value, layout)
-        return MeshVariable(kwargs["initial_value"], trainable=kwargs.get("trainable", True),
-                            name=kwargs.get("name"), dtype=kwargs.get("dtype"))
+            layout = self._layout(stored)
+            if value is None:   # ZeRO-3: no process holds the whole initial value
+                initial = _made_on_mesh(initial_value, layout, dtype)
+            else:
+                initial = _lay_out(value, layout)
+        variable = MeshVariable(initial, trainable=kwargs.get("trainable", True),
+                                name=kwargs.get("name"), dtype=dtype)
+        if kind == "variable" and stored != spec:
+            variable.compute_layout = self._layout(spec)
+        return variable
+
+    @contextlib.contextmanager
+    def compute_scope(self):
+        """Reads of ZeRO-3 variables in here take their compute layout (see
+        `MeshVariable`): the trainer's forward and backward passes."""
+        before, _gathering.active = _gathering.active, True
+        try:
+            yield
+        finally:
+            _gathering.active = before
+
+    def shard_gradients(self, grads, variables) -> list:
+        """ZeRO-2: each gradient relayouted to its slots' layout as it leaves
+        the backward pass (a reduce-scatter: DTensor all-reduces over `batch`,
+        then keeps each device's part). ZeRO-3's come back split already."""
+        if self.zero != 2:
+            return list(grads)
+        # First pinned to the variable's layout: the split alone, propagated
+        # back into the backward pass by DTensor's layout propagation, failed
+        # to compile there (the transformer: "'tf.Tile' op requires
+        # input.shape[0] (32) * 1 to be equal to output.shape[0] (16)").
+        return [dtensor.relayout(dtensor.relayout(g, self._var_layouts[id(v)]),
+                                 self._update_layouts[id(v)])
+                if id(v) in self._update_layouts else g for g, v in zip(grads, variables)]
 
     @contextlib.contextmanager
     def scope(self):
@@ -270,17 +367,24 @@ class DTensorStrategy(Strategy, TensorSharding):
             yield
 
     def on_optimizer_built(self, optimizer, variables) -> None:
-        """Slots follow their variables; updates that are correct on DTensors."""
-        var_layouts, slot_layouts = [], []
-        zero = self.config.shard_optimizer_state
+        """Slots follow their variables (split over `batch` too under ZeRO);
+        updates that are correct on DTensors, computed in the slots' layout
+        from stage 2 on (the gradient's), else in the variable's."""
+        var_layouts, slot_layouts, update_layouts = [], [], []
+        self._update_layouts, self._var_layouts = {}, {}
         for variable in variables:
             layout = dtensor.fetch_layout(_read(variable))
-            var_layouts.append(layout)
             spec = tuple(None if a == dtensor.UNSHARDED else a for a in layout.sharding_specs)
-            slot = sharding.zero_spec(spec, variable.shape, self.axes) if zero else spec
-            slot_layouts.append(None if slot == spec else dtensor.Layout(
-                [a or dtensor.UNSHARDED for a in slot], self.mesh))
-        dtensor_updates.install(optimizer, dtensor_updates.LayoutTable(var_layouts, slot_layouts))
+            slot = self._layout(sharding.zero_spec(spec, variable.shape, self.axes)
+                                if self.zero else spec)
+            update = slot if self.zero >= 2 else layout
+            var_layouts.append(layout)
+            slot_layouts.append(slot)
+            update_layouts.append(update)
+            self._update_layouts[id(variable)] = update
+            self._var_layouts[id(variable)] = layout
+        dtensor_updates.install(optimizer, dtensor_updates.LayoutTable(
+            var_layouts, slot_layouts, update_layouts))
 
     # -- data --------------------------------------------------------------
     @property
@@ -413,47 +517,128 @@ class DTensorStrategy(Strategy, TensorSharding):
     # -- introspection (--print_layouts, the run summary) -------------------
     def device_bytes(self, variables) -> int:
         """Bytes of `variables` held by the first device of the mesh."""
-        total = 0
-        for variable in variables:
-            shard = dtensor.unpack(_read(variable))[0]
-            total += int(np.prod(shard.shape)) * shard.dtype.size
-        return total
+        return sum(_shard_bytes(_read(v))[0] for v in variables)
 
     def summary_fields(self, model, optimizer) -> dict:
         return {"mesh": f"batch:{self.axes['batch']},model:{self.axes['model']}",
                 # DTensor reduces inside its SPMD program, by layout; there is no
                 # per-update gradient all-reduce whose size tfdist could state.
                 "bytes_reduced_per_update": None,
-                "shard_optimizer_state": self.config.shard_optimizer_state,
+                "zero_stage": self.zero,
+                "shard_optimizer_state": self.zero >= 1,
                 "device_parameter_bytes": self.device_bytes(model.variables),
                 "device_optimizer_bytes": self.device_bytes(optimizer.variables)}
 
-    def layout_report(self, model, optimizer) -> str:
-        """A table of every variable (model, then optimizer) and the per-device totals."""
-        rows = [("path", "shape", "spec", "global bytes", "bytes/device")]
-        kinds = {id(v): "model" for v in model.variables}
-        totals = {"model": [0, 0], "optimizer": [0, 0]}
-        for variable in [*model.variables, *optimizer.variables]:
-            value = _read(variable)
-            layout = dtensor.fetch_layout(value)
-            spec = tuple(None if a == dtensor.UNSHARDED else a for a in layout.sharding_specs)
+    def gradient_shards(self, model) -> Optional[list]:
+        """The gradients of every trainable variable, as the trainer's backward
+        pass leaves them (in `compute_scope`, then `shard_gradients`), for a
+        stand-in loss (the sum of the outputs) on a batch of zeros: DTensors
+        whose shards can be read. None for a model without symbolic inputs."""
+        inputs = getattr(model, "inputs", None)
+        if not inputs:
+            return None
+        batch = self.axes[sharding.BATCH]
+        xs = [_lay_out(tf.zeros([batch, *i.shape[1:]], i.dtype),
+                       dtensor.Layout.batch_sharded(self.mesh, sharding.BATCH, len(i.shape)))
+              for i in inputs]
+        variables = model.trainable_variables
+
+        @tf.function
+        def gradients(*xs):
+            with self.compute_scope(), tf.GradientTape() as tape:
+                out = model(list(xs) if len(xs) > 1 else xs[0], training=True)
+                loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
+                                 for o in tf.nest.flatten(out)])
+            grads = tape.gradient(loss, variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return self.shard_gradients([tf.convert_to_tensor(g) for g in grads], variables)
+
+        with dtensor.default_mesh(self.mesh), logs.quiet_absl():
+            return gradients(*xs)
+
+    def layout_rows(self, model, optimizer, gradients: bool = True) -> list:
+        """One row per variable, gradient and optimizer slot: where it lives,
+        read from its shards (`dtensor.unpack`), not computed from layouts.
+
+        Each row: kind ("variable", "gradient", "slot"), path, shape, stored
+        spec, compute spec (the layout a ZeRO-3 variable is gathered to for
+        use; a gradient's is its variable's), global bytes, and the largest
+        shard on a local device in bytes (`whole`: that shard is the whole).
+        """
+        rows = []
+
+        def row(kind, path, value, compute=None):
+            spec = _spec_of(value)
+            shards = _shard_bytes(value)
             global_bytes = int(np.prod(value.shape)) * value.dtype.size
-            device = self.device_bytes([variable])
-            kind = kinds.get(id(variable), "optimizer")
-            totals[kind][0] += global_bytes
-            totals[kind][1] += device
-            rows.append((variable.path, "x".join(map(str, value.shape)) or "scalar",
-                         sharding.describe_spec(spec), f"{global_bytes:,}", f"{device:,}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+            rows.append({"kind": kind, "path": path, "shape": tuple(value.shape),
+                         "stored": spec, "compute": compute or spec,
+                         "global_bytes": global_bytes, "device_bytes": max(shards),
+                         "whole": max(shards) == global_bytes})
+
+        computes = {}
+        for variable in model.variables:
+            inner = variable.value if isinstance(variable, keras.Variable) else variable
+            layout = getattr(inner, "compute_layout", None)
+            computes[id(variable)] = _spec_of(layout) if layout is not None else None
+            row("variable", variable.path, _read(variable), computes[id(variable)])
+        grads = self.gradient_shards(model) if gradients else None
+        for variable, grad in zip(model.trainable_variables, grads or ()):
+            row("gradient", variable.path, grad, computes[id(variable)] or
+                _spec_of(_read(variable)))
+        for variable in optimizer.variables:
+            row("slot", variable.path, _read(variable))
+        return rows
+
+    def layout_report(self, model, optimizer) -> str:
+        """A table of every variable, gradient and optimizer slot, and the
+        per-device totals against one device's."""
+        rows = self.layout_rows(model, optimizer)
+        table = [("kind", "path", "shape", "stored", "compute", "global bytes", "bytes/device")]
+        totals = {}
+        for r in rows:
+            total = totals.setdefault(r["kind"], [0, 0])
+            total[0] += r["global_bytes"]
+            total[1] += r["device_bytes"]
+            table.append((r["kind"], r["path"], "x".join(map(str, r["shape"])) or "scalar",
+                          sharding.describe_spec(r["stored"]), sharding.describe_spec(r["compute"]),
+                          f"{r['global_bytes']:,}", f"{r['device_bytes']:,}"))
+        widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.ljust(w) if i < 5 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(t, widths))).rstrip() for t in table]
         lines.insert(1, "-" * len(lines[0]))
-        lines.append(f"mesh batch:{self.axes['batch']} x model:{self.axes['model']}"
-                     f"{' (optimizer state sharded over batch: ZeRO-1)' if self.config.shard_optimizer_state else ''}")
+        stage = {0: "", 1: " (ZeRO-1: optimizer slots also split over batch)",
+                 2: " (ZeRO-2: optimizer slots and gradients also split over batch)",
+                 3: " (ZeRO-3: variables, gradients and optimizer slots also split over "
+                    "batch; variables gathered for use)"}[self.zero]
+        lines.append(f"mesh batch:{self.axes['batch']} x model:{self.axes['model']}{stage}")
+        names = {"variable": "parameters", "gradient": "gradients", "slot": "optimizer"}
         for kind, (global_bytes, device) in totals.items():
-            lines.append(f"{kind} total: {global_bytes:,} bytes; per device {device:,} "
+            lines.append(f"{names[kind]} total: {global_bytes:,} bytes; per device {device:,} "
                          f"({device / max(global_bytes, 1):.2f}x)")
+        gathered = [r for r in rows if r["kind"] == "variable" and r["compute"] != r["stored"]]
+        if gathered:
+            top = max(gathered, key=lambda r: r["global_bytes"] // _split(r["compute"], self.axes))
+            lines.append(f"largest gathered weight: {top['path']}, "
+                         f"{top['global_bytes'] // _split(top['compute'], self.axes):,} bytes "
+                         f"per device while in use")
         both = [sum(t[i] for t in totals.values()) for i in (0, 1)]
-        lines.append(f"parameters + optimizer per device: {both[1]:,} bytes "
+        what = " + ".join(names[k] for k in totals)
+        lines.append(f"{what} per device: {both[1]:,} bytes "
                      f"({both[1] / max(both[0], 1):.2f}x of {both[0]:,})")
         return "\n".join(lines)
+
+
+def _spec_of(value_or_layout) -> tuple:
+    layout = (value_or_layout if isinstance(value_or_layout, dtensor.Layout)
+              else dtensor.fetch_layout(value_or_layout))
+    return tuple(None if a == dtensor.UNSHARDED else a for a in layout.sharding_specs)
+
+
+def _shard_bytes(value) -> list:
+    """Bytes of each local device's shard of DTensor `value`."""
+    return [int(np.prod(t.shape)) * t.dtype.size for t in dtensor.unpack(value)]
+
+
+def _split(spec, axes) -> int:
+    return int(np.prod([axes[a] for a in spec if a]))

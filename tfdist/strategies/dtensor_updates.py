@@ -10,8 +10,8 @@ only the equivalence tests against one device show it. These update steps
 compute each new slot value once, assign it, and use the computed value (never
 a read-back), with the same arithmetic as Keras (same formulas, same order).
 
-With `--shard_optimizer_state` a slot may be split over more mesh axes than its
-variable: it is stored split, and gathered for the update (see `LayoutTable`).
+Under ZeRO (`--zero_stage`) slots, gradients and variables may be split over
+more mesh axes than the layout the update is computed in: see `LayoutTable`.
 """
 
 from __future__ import annotations
@@ -26,29 +26,40 @@ from tfdist import compat
 
 
 class LayoutTable:
-    """Layouts of each trainable variable and its slots, by the optimizer's index.
+    """Layouts of each trainable variable, its slots and its update, by the
+    optimizer's index.
 
-    A slot split over more axes than its variable (ZeRO-1) is *stored* split;
-    for the update it is gathered to its variable's layout (`read`), and the
-    new value is split again when stored (`store`). The gradient and the
-    weight update keep the variable's layout: relaying out the gradient to the
-    slot's layout instead let DTensor's layout propagation push the split back
-    into the backward pass, which then failed to compile (EmitAllScatter).
+    The update is computed in one layout: the variable's (stages 0-1), or the
+    slots' and the gradient's, split over `batch` (stages 2-3). A slot stored
+    in another layout is relayouted for the update (`read`: ZeRO-1 gathers it)
+    and back when stored (`store`); the weight update is relayouted to the
+    variable's layout when that differs (`to_variable`: ZeRO-2 gathers it, as
+    ZeRO-2's all-gather of the updated parameters). Under ZeRO-1 the gradient
+    keeps the variable's layout: relaying it out to the slot's layout instead
+    let DTensor's layout propagation push the split back into the backward
+    pass, which then failed to compile (EmitAllScatter); ZeRO-2 relayouts it
+    as it leaves the backward pass (`DTensorStrategy.shard_gradients`).
     """
 
-    def __init__(self, var_layouts: list, slot_layouts: list):
+    def __init__(self, var_layouts: list, slot_layouts: list, update_layouts: list):
         self.var_layouts, self.slot_layouts = var_layouts, slot_layouts
+        self.update_layouts = update_layouts
 
     def read(self, index: int, slot):
         value = tf.convert_to_tensor(slot)
-        if self.slot_layouts[index] is None:
+        if self.slot_layouts[index] == self.update_layouts[index]:
             return value
-        return dtensor.relayout(value, self.var_layouts[index])
+        return dtensor.relayout(value, self.update_layouts[index])
 
     def store(self, index: int, slot, value):
-        if self.slot_layouts[index] is not None:
+        if self.slot_layouts[index] != self.update_layouts[index]:
             value = dtensor.relayout(value, self.slot_layouts[index])
         slot.assign(value)
+
+    def to_variable(self, index: int, value):
+        if self.var_layouts[index] != self.update_layouts[index]:
+            value = dtensor.relayout(value, self.var_layouts[index])
+        return value
 
 
 def _adam_update(self, layouts, gradient, variable, learning_rate):
@@ -66,7 +77,7 @@ def _adam_update(self, layouts, gradient, variable, learning_rate):
     v_new = v_old + (tf.square(g) - v_old) * (1 - self.beta_2)
     layouts.store(index, m, m_new)
     layouts.store(index, v, v_new)
-    variable.assign_sub(m_new * alpha / (tf.sqrt(v_new) + self.epsilon))
+    variable.assign_sub(layouts.to_variable(index, m_new * alpha / (tf.sqrt(v_new) + self.epsilon)))
 
 
 def _sgd_update(self, layouts, gradient, variable, learning_rate):
@@ -75,12 +86,12 @@ def _sgd_update(self, layouts, gradient, variable, learning_rate):
     lr = tf.cast(learning_rate, dtype)
     g = tf.cast(gradient, dtype)
     if not self.momentum:
-        variable.assign_sub(g * lr)
+        variable.assign_sub(layouts.to_variable(index, g * lr))
         return
     m = self.momentums[index]
     m_new = layouts.read(index, m) * tf.cast(self.momentum, dtype) - g * lr
     layouts.store(index, m, m_new)
-    variable.assign_add(m_new)
+    variable.assign_add(layouts.to_variable(index, m_new))
 
 
 def install(optimizer, layouts: LayoutTable) -> None:

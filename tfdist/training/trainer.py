@@ -11,6 +11,7 @@ Everything engine-specific goes through the strategy adapter's hooks.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import keras
@@ -18,7 +19,7 @@ import tensorflow as tf
 
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
-from tfdist.strategies.capabilities import ScheduledSteps
+from tfdist.strategies.capabilities import ScheduledSteps, TensorSharding, capability
 from tfdist.training import nonfinite, xla
 from tfdist.training.compression import GradientCompression
 from tfdist.training.precision import Precision
@@ -78,6 +79,7 @@ class Trainer:
         self.compression = GradientCompression(config.train.grad_compression)
         self.bytes_per_update = self.compression.bytes_per_update(model.trainable_variables)
         self.jit_level = jit_level
+        self.sharded = capability(strategy, TensorSharding)
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -133,6 +135,13 @@ class Trainer:
     def _micro_batch_gradients(self, x, y, weight) -> LocalGradients:
         """Gradients of this micro-batch's share of the global loss, and its counters."""
         variables = self.model.trainable_variables
+        with self._compute_scope():
+            return self._micro_batch_gradients_in_scope(x, y, weight, variables)
+
+    def _compute_scope(self):
+        return self.sharded.compute_scope() if self.sharded else contextlib.nullcontext()
+
+    def _micro_batch_gradients_in_scope(self, x, y, weight, variables) -> LocalGradients:
         with tf.GradientTape(persistent=True) as tape:
             y_pred = self.model(x, training=True)
             numerator, divisor, global_divisor = self.task.loss_terms(
@@ -157,6 +166,9 @@ class Trainer:
         separate = (_dense(self.strategy.gradients(tape, scaled_regularization, variables))
                     if apart else [])
         del tape
+        if self.sharded:
+            grads = self.sharded.shard_gradients(grads, variables)
+            separate = self.sharded.shard_gradients(separate, variables) if separate else []
         counters = tf.concat([tf.stack([numerator, divisor]),
                               self.task.metric_deltas(y, y_pred, weight)], axis=0)
         provisional = None if global_divisor else tf.constant(
@@ -276,7 +288,8 @@ class Trainer:
 
     def _replica_eval_step(self, batch):
         x, y, weight, real = batch
-        y_pred = self.model(x, training=False)
+        with self._compute_scope():
+            y_pred = self.model(x, training=False)
         numerator, divisor, _ = self.task.loss_terms(y, y_pred, weight, real)
         counters = tf.concat([tf.stack([numerator, divisor]),
                               self.task.metric_deltas(y, y_pred, weight)], axis=0)
