@@ -10,23 +10,20 @@ not tfdist's `re.search`). Every lookup here is checked against Keras's own
 keras-hub is not a dependency: 0.32.0 needs tensorflow-text, which pulls the
 full `tensorflow` wheel beside the pinned `tensorflow_cpu` (plus kagglehub,
 huggingface_hub, tokenizers, sentencepiece). Its Llama layout map is
-transcribed below instead; it converts exactly as Keras reads it, but DTensor
-2.21 cannot run it (a strict xfail below says why); a Megatron-style
-LayoutMap of the same Llama-shaped model trains and matches one device.
+transcribed below instead; it converts exactly as Keras reads it, and a
+Llama-shaped model trained under it matches one device.
 """
 
-import re
 
 import keras
 import pytest
-import tensorflow as tf
 from keras import layers, ops
 from tensorflow.experimental import dtensor
 
 import tfdist
 from tfdist import sharding
 from tfdist.data.spec import DatasetSpec
-from tfdist.errors import UsageError, WorkerFault
+from tfdist.errors import UsageError
 
 from common import run_config, token_dataset_fn_for
 from test_dtensor import _assert_matches
@@ -227,52 +224,16 @@ def _llama_paths(**sizes):
 MESH = "batch:2,model:2"
 
 
-def megatron_layout_map(device_mesh):
-    """The same model Megatron-style, as a Keras LayoutMap (keys fullmatched):
-    heads and FFN units over `model`, weights whole over `batch`."""
-    layout_map = keras.distribution.LayoutMap(device_mesh)
-    layout_map["token_embedding/embeddings"] = ("model", None)
-    layout_map["transformer_layer_\\d+/self_attention/(query|key|value)/kernel"] = (
-        None, "model", None)
-    layout_map[".*attention_output/kernel"] = ("model", None, None)
-    layout_map[".*feedforward_(gate|intermediate)_dense/kernel"] = (None, "model")
-    layout_map[".*feedforward_output_dense/kernel"] = ("model", None)
-    return layout_map
-
-
 def _run_config(strategy, steps=3):
     config = run_config("default", optimizer="adam", learning_rate=0.01, steps=steps, batch=16)
     return config.replace(strategy=tfdist.StrategyConfig(
         name=strategy, virtual_devices=4 if strategy == "dtensor" else 2, mesh=MESH))
 
 
-@pytest.mark.xfail(strict=True, raises=(tf.errors.UnknownError, WorkerFault), reason=(
-    "keras-hub's Llama map also splits weights over `batch` (FSDP-style), so activations "
-    "leave a layer split over batch where the next kernel is split over model; GSPMD "
-    "reshards on JAX, DTensor 2.21 refuses: 'Contracting dimension for matmul has sharding "
-    "dimension batch for the left input and model for the right input' (each key alone "
-    "trains, on batch:1 too). Passes once the engine gathers batch-split weights for use."))
-def test_llama_layout_map_lays_out_every_variable():
-    """keras-hub's Llama map on the 2x2 mesh, as `--print_layouts` reports it.
-    (Its conversion alone is checked against Keras above.)"""
-    layout_map = llama_layout_map(_mesh())
-    report = tfdist.describe_layouts(
-        _run_config("dtensor"), model_fn=llama_like, dataset_fn=token_dataset_fn_for(TOKENS),
-        spec=TOKENS, layout_rules=layout_map)
-    rows = [re.match(r"(\S+)\s+(\S+)\s+\((.*?)\)\s", line) for line in report.splitlines()]
-    shapes = dict(_llama_paths(vocab=TOKENS.num_classes))
-    specs = {m[1]: tuple(None if a == "-" else a for a in m[3].split(", "))
-             for m in rows if m and m[1] in shapes}
-    assert specs.keys() == shapes.keys()
-    for path, spec in specs.items():
-        assert spec == _keras_spec(layout_map, path, len(shapes[path])), path
-    assert specs["transformer_layer_1/self_attention/query/kernel"] == ("model", "batch", None)
-
-
 @pytest.fixture(scope="module")
-def megatron_runs():
+def llama_runs():
     """The Llama-shaped model trained 3 steps from the same weights on one
-    device and on the 2x2 mesh under a LayoutMap."""
+    device and on the 2x2 mesh under keras-hub's Llama layout map, unchanged."""
     keras.utils.set_random_seed(1)
     initial = llama_like(TOKENS, depth=1).get_weights()   # one layer: half the trace time
 
@@ -281,7 +242,7 @@ def megatron_runs():
         model.set_weights(initial)
         return model
 
-    layout_map = megatron_layout_map(_mesh())
+    layout_map = llama_layout_map(_mesh())
     runs = {strategy: tfdist.train(
         _run_config(strategy), model_fn=model_fn, dataset_fn=token_dataset_fn_for(TOKENS),
         spec=TOKENS, layout_rules=layout_map if strategy == "dtensor" else None)
@@ -289,19 +250,24 @@ def megatron_runs():
     return initial, layout_map, runs
 
 
-def test_layout_map_lays_out_the_trained_variables(megatron_runs):
-    _, layout_map, runs = megatron_runs
+def test_llama_layout_map_stores_every_variable_as_keras_says(llama_runs):
+    """Each variable is stored as the map says, `batch` included: the map
+    splits weights over `batch` too (FSDP on JAX), and tfdist stores them so
+    and gathers that dimension for use, as under --zero_stage=3 (DTensor
+    alone refuses such a weight: "Contracting dimension for matmul has
+    sharding dimension batch for the left input and model for the right")."""
+    _, layout_map, runs = llama_runs
     variables = runs["dtensor"].sharded_model.variables
     assert len(variables) == 13
     for variable in variables:
         layout = dtensor.fetch_layout(variable.value.read_value())
         got = tuple(None if a == dtensor.UNSHARDED else a for a in layout.sharding_specs)
         assert got == _keras_spec(layout_map, variable.path, len(variable.shape)), variable.path
-    sharded = [v.path for v in variables if "model" in dtensor.fetch_layout(
-        v.value.read_value()).sharding_specs]
-    assert len(sharded) == 1 + 7, sharded   # the embedding and the layer's 7 kernels
+    both = [v.path for v in variables if {"batch", "model"} <= set(dtensor.fetch_layout(
+        v.value.read_value()).sharding_specs)]
+    assert len(both) == 1 + 7, both   # the embedding and the layer's 7 kernels
 
 
-def test_layout_map_trains_what_one_device_trains(megatron_runs):
-    initial, _, runs = megatron_runs
+def test_llama_layout_map_trains_what_one_device_trains(llama_runs):
+    initial, _, runs = llama_runs
     _assert_matches(runs["dtensor"], runs["default"], initial)

@@ -37,6 +37,12 @@ def describe_layouts(config, **kwargs):
     return _describe_layouts(config, **kwargs)
 
 
+def layout_rows(config, **kwargs):
+    """See `tfdist.api.layout_rows`: `describe_layouts` as a list of dicts."""
+    from tfdist.api import layout_rows as _layout_rows
+    return _layout_rows(config, **kwargs)
+
+
 def export(source, export_dir, **kwargs):
     """See `tfdist.api.export`: a RunResult or a model_dir -> model.keras + SavedModel."""
     from tfdist.api import export as _export
@@ -44,5 +50,5 @@ def export(source, export_dir, **kwargs):
 
 
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig",
-           "StrategyConfig", "TrainConfig", "UsageError", "describe_layouts", "export", "load_model",
-           "shard", "train"]
+           "StrategyConfig", "TrainConfig", "UsageError", "describe_layouts", "export",
+           "layout_rows", "load_model", "shard", "train"]

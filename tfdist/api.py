@@ -38,7 +38,9 @@ from tfdist.training.trainer import Trainer, total_steps
 @dataclasses.dataclass
 class RunResult:
     summary: dict          # the run summary (also printed and written as summary.json)
-    model: keras.Model     # the trained model; predicts, evaluates on host data
+    # The trained model; predicts, evaluates on host data. None under tensor
+    # sharding when a whole copy would not fit this process (see sharded_model).
+    model: Optional[keras.Model]
     optimizer: keras.optimizers.Optimizer
     is_chief: bool = True  # only the chief prints and writes the summary
     # For `tfdist.export(result, ...)`: the engine the model lives on and how
@@ -274,8 +276,24 @@ def _serving_model(config: RunConfig, model_fn, spec) -> keras.Model:
 
 def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
                      layout_rules=None) -> str:
-    """`--print_layouts`: each variable's path, global shape, spec and per-device
-    bytes on `config.strategy.mesh` (with its optimizer slots), and the totals."""
+    """`--print_layouts`: where each variable, gradient and optimizer slot lives
+    on `config.strategy.mesh` (stored and compute layouts, global and per-device
+    bytes, read from the shards), and the per-device totals."""
+    return _on_mesh(config, model_fn, dataset_fn, spec, layout_rules,
+                    lambda strategy, model, optimizer: strategy.layout_report(model, optimizer))
+
+
+def layout_rows(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
+                layout_rules=None) -> list:
+    """The rows of `describe_layouts` as dicts (kind, path, shape, stored,
+    compute, global_bytes, device_bytes, whole), for programs and tests."""
+    return _on_mesh(config, model_fn, dataset_fn, spec, layout_rules,
+                    lambda strategy, model, optimizer: strategy.layout_rows(model, optimizer))
+
+
+def _on_mesh(config, model_fn, dataset_fn, spec, layout_rules, fn):
+    """`fn(strategy, model, optimizer)` with the model and optimizer built on
+    the run's mesh (nothing trained)."""
     strategies.check_name(config.strategy.name)
     strategy = strategies.create(config.strategy)
     if not isinstance(strategy, TensorSharding):
@@ -285,7 +303,7 @@ def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=
     try:
         inputs = _inputs(config, dataset_fn, spec)
         model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
-        return strategy.layout_report(model, optimizer)
+        return fn(strategy, model, optimizer)
     finally:
         strategy.close()
 
@@ -323,6 +341,12 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     steps = total_steps(tc, inputs.spec)
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
     task = _task(config, strategy, model, inputs, loss, metrics)
+    sharded = capability(strategy, TensorSharding)
+    refusal = sharded.host_copy_refusal(model) if sharded and tc.export_dir else None
+    if refusal:
+        raise UsageError(f"--export_dir={tc.export_dir}: export writes a whole copy of the "
+                         f"model, and {refusal}; leave --export_dir unset (checkpoints in "
+                         "--model_dir are written shard by shard)")
     if strategy.is_chief and tc.model_dir:
         export_lib.write_run_record(tc.model_dir, config, inputs.spec,
                                     builder=model_fn is None)
@@ -339,7 +363,9 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     checkpointer = None
     if tc.model_dir:
         checkpointer = Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
-                                    is_chief=strategy.is_chief, model=model,
+                                    is_chief=strategy.is_chief,
+                                    shared_write=bool(sharded) and strategy.num_workers > 1,
+                                    model=model,
                                     optimizer=optimizer, step=trainer.step)
     controller = Controller(config=config, trainer=trainer, inputs=inputs, total_steps=steps,
                             checkpointer=checkpointer, flops_per_example=flops_per_example,
@@ -373,7 +399,13 @@ def _finish(config, strategy, model, optimizer, summary, rebuild) -> RunResult:
     tc = config.train
     sharded = model if isinstance(strategy, TensorSharding) else None
     if sharded is not None:
-        model = export_lib.host_copy(sharded, strategy, rebuild)
+        refusal = strategy.host_copy_refusal(sharded)
+        if refusal:
+            logging.warning("%s: RunResult.model is None; RunResult.sharded_model is the "
+                            "trained model on the mesh", refusal)
+            model = None
+        else:
+            model = export_lib.host_copy(sharded, strategy, rebuild)
     if strategy.is_chief and tc.export_dir:
         summary["export"] = export_lib.export_model(
             model, tc.export_dir, strategy=None if sharded else strategy,

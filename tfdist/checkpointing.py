@@ -44,8 +44,10 @@ class Checkpointer:
     TensorFlow Model Garden), so they never clobber the chief's files.
     """
 
-    def __init__(self, directory: str, *, keep: int, is_chief: bool, **trackables):
+    def __init__(self, directory: str, *, keep: int, is_chief: bool, shared_write: bool = False,
+                 **trackables):
         self.directory = directory
+        self.shared_write = shared_write
         self.keep = keep
         self.is_chief = is_chief
         self.checkpoint = tf.train.Checkpoint(**trackables)
@@ -108,6 +110,11 @@ class Checkpointer:
     def save(self, step: int) -> Optional[str]:
         if self.input_position is not None:   # every process: its own pipeline's
             self.input_position.save(step)
+        if not self.is_chief and self.shared_write:
+            # A mesh over processes (DTensor clients): each writes the shards
+            # it holds into the same checkpoint; the chief verifies and indexes.
+            self.checkpoint.write(os.path.join(self.directory, f"{_PREFIX}-{step}"))
+            return None
         if not self.is_chief:
             scratch = tempfile.mkdtemp(prefix="tfdist-worker-ckpt-")
             try:

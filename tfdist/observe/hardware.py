@@ -84,3 +84,42 @@ def as_dict() -> dict:
     """For the run summary and benchmark reports."""
     return {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "isa": isa_features(),
             "isa_limit": isa_limit(), "bf16": bf16_support()}
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux /proc/self/statm), or 0."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: its `tfdist-launch --worker_memory`
+    cap (TFDIST_WORKER_MEMORY), else its memory cgroup's limit (v2
+    memory.max, v1 memory.limit_in_bytes), else the machine's memory."""
+    cap = os.environ.get("TFDIST_WORKER_MEMORY", "")
+    if cap.isdigit():
+        return int(cap)
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    candidate = f"/sys/fs/cgroup{path}/memory.max"
+                elif "memory" in controllers.split(","):
+                    candidate = f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"
+                else:
+                    continue
+                try:
+                    with open(candidate) as limit:
+                        text = limit.read().strip()
+                    if text.isdigit():
+                        limits.append(int(text))
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return min(limits)

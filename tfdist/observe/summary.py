@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 
 from tfdist.observe import hardware
 from tfdist.training import optimizers
@@ -44,6 +45,8 @@ def run_summary(config, controller, inputs, metrics: dict, *, peak_lr: float) ->
         "loss_scale": Precision.loss_scale(optimizer),
         "grad_compression": tc.grad_compression,
         "bytes_reduced_per_update": trainer.bytes_per_update,
+        # This process's peak resident memory so far (Linux: ru_maxrss in KiB).
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "hardware": hardware.describe(),
         "cpu": hardware.cpu_model(),
         **strategy.summary_fields(model, optimizer),

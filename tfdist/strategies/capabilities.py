@@ -60,6 +60,11 @@ class TensorSharding(Capability):
         accumulated and applied in (ZeRO-2 splits them). Default: as given."""
         return list(grads)
 
+    def host_copy_refusal(self, model) -> Optional[str]:
+        """Why a whole copy of `model` must not be made in this process (it
+        would not fit), or None. Default: it fits."""
+        return None
+
     def end_of_run(self) -> None:
         """Called by every process after the run's last collective (the copy
         of the trained model to the host): processes that host shared

@@ -49,7 +49,7 @@ from tfdist import cluster, compat, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import TensorSharding
-from tfdist.observe import logs
+from tfdist.observe import hardware, logs
 from tfdist.strategies import watchdog
 from tfdist.strategies import dtensor_updates, multi_worker
 
@@ -171,7 +171,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         self.axes = dict(sharding.parse_mesh(config.mesh))
         self.mesh = None
         self._spec = None        # the cluster, when the mesh spans processes
-        self._var_specs = {}     # model variable path -> the spec it computes in
+        self._var_specs = {}     # model variable path -> (compute spec, stored spec)
         self._update_layouts = {}  # id(trainable variable) -> its update's layout
         self._var_layouts = {}     # id(trainable variable) -> its stored layout
         self.zero = config.zero  # the ZeRO stage (--zero_stage)
@@ -282,21 +282,28 @@ class DTensorStrategy(Strategy, TensorSharding):
 
     def _spec_for(self, path: str, shape) -> tuple:
         """(the spec it computes in, the spec it is stored in, "variable" or
-        "slot") of the variable being created at `path`."""
-        for var_path, spec in sorted(self._var_specs.items(), key=lambda kv: -len(kv[0])):
+        "slot") of the variable being created at `path`.
+
+        A rule that puts `batch` on a dimension (keras-hub's layout maps do:
+        FSDP on JAX) stores the variable so and computes with that dimension
+        whole, as ZeRO-3 does with every variable.
+        """
+        for var_path, (compute, stored) in sorted(self._var_specs.items(),
+                                                  key=lambda kv: -len(kv[0])):
             flat = var_path.replace("/", "_")
             if "/" in path and path.split("/", 1)[1].startswith(flat + "_") and \
-                    len(spec) == len(shape):
+                    len(compute) == len(shape):
                 # An optimizer slot, `<optimizer>/<variable path with _>_<slot>`:
                 # its variable's layout (plus `batch` under ZeRO).
-                stored = sharding.zero_spec(spec, shape, self.axes) if self.zero else spec
-                return stored, stored, "slot"
+                slot = sharding.zero_spec(stored, shape, self.axes) if self.zero else stored
+                return slot, slot, "slot"
         spec = self.layout_rules.spec_for(path, shape, self.axes)
+        compute = tuple(None if a == sharding.BATCH else a for a in spec)
         stored = spec
         if self.zero >= 3:
             stored = sharding.zero_spec(spec, shape, self.axes)
-            sharding.check_fsdp_split(path, spec, stored, shape, self.axes)
-        return spec, stored, "variable"
+            sharding.check_fsdp_split(path, compute, stored, shape, self.axes)
+        return compute, stored, "variable"
 
     def _layout(self, spec):
         return dtensor.Layout([a or dtensor.UNSHARDED for a in spec], self.mesh)
@@ -323,7 +330,7 @@ class DTensorStrategy(Strategy, TensorSharding):
                 self.usage_error = error
                 raise
             if kind == "variable":
-                self._var_specs[path] = spec
+                self._var_specs[path] = spec, stored
             layout = self._layout(stored)
             if value is None:   # ZeRO-3: no process holds the whole initial value
                 initial = _made_on_mesh(initial_value, layout, dtype)
@@ -513,6 +520,18 @@ class DTensorStrategy(Strategy, TensorSharding):
                                 "--collective_timeout_s=%gs; leaving anyway",
                                 spec.name(0), spec.name(peer),
                                 self.config.collective_timeout_s)
+
+    def host_copy_refusal(self, model) -> Optional[str]:
+        """Why a whole copy of `model` would not fit this process (None if it
+        would): the copy's variables plus the gathered arrays, twice the
+        model's bytes, within 80% of what its memory limit leaves free."""
+        whole = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.variables)
+        free = hardware.memory_limit_bytes() - hardware.resident_bytes()
+        if 2 * whole <= 0.8 * free:
+            return None
+        return (f"a whole copy of the model ({whole / 2**20:,.0f} MiB of weights, twice that "
+                f"while copying) would not fit the {max(free, 0) / 2**20:,.0f} MiB this "
+                "process has free")
 
     # -- introspection (--print_layouts, the run summary) -------------------
     def device_bytes(self, variables) -> int:
