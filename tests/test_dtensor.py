@@ -181,7 +181,8 @@ def _zero_stage_config(case, stage, mesh, **train):
 # Each stage on pure FSDP (batch:4) and FSDP x tensor parallel (batch:2,model:2),
 # with accumulation (k=2: the gradients accumulate in their split layout). The
 # transformer's runs are `slow` (~16 s each; `make test` runs them): its 2x2
-# stage 2 once failed to compile (see DTensorStrategy.shard_gradients).
+# stage 2 once failed to compile (see DTensorStrategy.shard_gradients); its
+# stage 3 on batch:4 matched too when tried (left out for the suite's time).
 @pytest.mark.parametrize("case,stage,mesh,train", [
     ("mlp", 2, "batch:4,model:1", {}),
     ("mlp", 3, "batch:4,model:1", {}),
@@ -190,7 +191,6 @@ def _zero_stage_config(case, stage, mesh, **train):
     pytest.param("transformer", 2, "batch:2,model:2", {}, marks=pytest.mark.slow),
     pytest.param("transformer", 3, "batch:2,model:2", {"accum_steps": 2},
                  marks=pytest.mark.slow),
-    pytest.param("transformer", 3, "batch:4,model:1", {}, marks=pytest.mark.slow),
 ])
 def test_zero_stages_match_one_device(references, case, stage, mesh, train):
     """Adam from the same initial weights (set from the host: DTensor seeds
