@@ -189,7 +189,7 @@ def test_a_user_script_shows_tfdist_groups_then_its_own(tmp_path):
 
 
 @pytest.mark.parametrize("script, groups, expected", [
-    ("tfdist-launch", ["cluster", "faults"],
+    ("tfdist-launch", ["cluster", "memory", "faults"],
      ["--workers N", "[required; an integer >= 1]", "[default: 0; an integer >= 0]",
       "[default: localhost]", "Exit status:"]),
     ("tfdist-compare", ["runs", "verdict", "output"],

@@ -280,7 +280,7 @@ _SEED = flags.DEFINE_integer("seed", _TRAIN_DEFAULTS.seed, "Seed for weights, sh
 HELP_GROUPS = {title: tuple(holder.name for holder in holders) for title, holders in {
     "engine and cluster": (
         _STRATEGY, _VIRTUAL_DEVICES, _WORKER_HOSTS, _TASK_INDEX, _PS_HOSTS, _TASK_TYPE,
-        _PS_SHARD_BYTES, _COLLECTIVE, _BYTES_PER_PACK, _MESH, _SHARD_OPTIMIZER_STATE,
+        _PS_SHARD_BYTES, _COLLECTIVE, _BYTES_PER_PACK, _MESH, _ZERO_STAGE, _SHARD_OPTIMIZER_STATE,
         _PRINT_LAYOUTS),
     "model and data": (
         _MODEL, _MODEL_WIDTH, _MODEL_DEPTH, _NUM_HEADS, _DATASET, _DATA_DIR, _SYNTHETIC,

@@ -524,14 +524,18 @@ class DTensorStrategy(Strategy, TensorSharding):
     def host_copy_refusal(self, model) -> Optional[str]:
         """Why a whole copy of `model` would not fit this process (None if it
         would): the copy's variables plus the gathered arrays, twice the
-        model's bytes, within 80% of what its memory limit leaves free."""
+        model's bytes, within half of its memory limit (the rest is
+        TensorFlow's and training's). From the limit alone, not from what is
+        free now: every process of a mesh must decide alike, as the copy's
+        gathers are collectives (a `tfdist-launch --worker_memory` cap is the
+        same for all)."""
         whole = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.variables)
-        free = hardware.memory_limit_bytes() - hardware.resident_bytes()
-        if 2 * whole <= 0.8 * free:
+        limit = hardware.memory_limit_bytes()
+        if 2 * whole <= limit / 2:
             return None
         return (f"a whole copy of the model ({whole / 2**20:,.0f} MiB of weights, twice that "
-                f"while copying) would not fit the {max(free, 0) / 2**20:,.0f} MiB this "
-                "process has free")
+                f"while copying) would not fit half of this process's "
+                f"{limit / 2**20:,.0f} MiB memory limit")
 
     # -- introspection (--print_layouts, the run summary) -------------------
     def device_bytes(self, variables) -> int:

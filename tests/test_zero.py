@@ -1,0 +1,161 @@
+"""dtensor ZeRO stages 2 and 3 (`--zero_stage`) must train what one device trains.
+
+In-process, on the 4 logical CPUs conftest configures, with the cases,
+references and tolerance rules of `tests/test_dtensor.py` (a file of its own
+so the suite's two workers can run it beside that one).
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist import models
+from tfdist.errors import UsageError
+
+from common import IMAGE_SPEC, PREDICTION_TOLERANCE, assert_variables_equal, image_dataset_fn
+from test_dtensor import (CASES, _References, _assert_close_in_bulk, _assert_matches, _config,
+                          _train)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return _References()
+
+
+def _zero_stage_config(case, stage, mesh, **train):
+    config = _config("dtensor", CASES[case][0], mesh=mesh, **train)
+    return config.replace(strategy=dataclasses.replace(config.strategy, zero_stage=stage))
+
+
+# Each stage on pure FSDP (batch:4) and FSDP x tensor parallel (batch:2,model:2),
+# with accumulation (k=2: the gradients accumulate in their split layout). The
+# transformer's runs are `slow` (~16 s each; `make test` runs them): its 2x2
+# stage 2 once failed to compile (see DTensorStrategy.shard_gradients); its
+# stage 3 on batch:4 matched too when tried (left out for the suite's time).
+@pytest.mark.parametrize("case,stage,mesh,train", [
+    ("mlp", 2, "batch:4,model:1", {}),
+    ("mlp", 3, "batch:4,model:1", {}),
+    ("mlp", 2, "batch:2,model:2", {"accum_steps": 2}),
+    ("mlp", 3, "batch:2,model:2", {"accum_steps": 2}),
+    pytest.param("transformer", 2, "batch:2,model:2", {}, marks=pytest.mark.slow),
+    pytest.param("transformer", 3, "batch:2,model:2", {"accum_steps": 2},
+                 marks=pytest.mark.slow),
+])
+def test_zero_stages_match_one_device(references, case, stage, mesh, train):
+    """Adam from the same initial weights (set from the host: DTensor seeds
+    random initialisers per device), the tolerance of `_assert_matches`."""
+    initial, reference = references[case]
+    result = _train(_zero_stage_config(case, stage, mesh, **train), case, initial)
+    assert result.summary["zero_stage"] == stage
+    _assert_matches(result, reference, initial)
+
+
+def _held_whole(rows):
+    """Rows (variables, gradients, slots) that some device holds whole.
+    Scalars (the optimizer's step and learning rate) cannot be split."""
+    return [(r["kind"], r["path"]) for r in rows if r["whole"] and r["shape"]]
+
+
+@pytest.mark.parametrize("mesh", ["batch:4,model:1", "batch:2,model:2"])
+def test_zero3_holds_no_variable_gradient_or_slot_whole(mesh):
+    """Read from the shards (a backward pass's gradients too): under stage 3
+    no device holds any of them whole. The control, stage 1 on the same mesh,
+    must fail the same check (its variables and gradients stay whole over
+    `batch`), so the check can fail."""
+    model_config = CASES["mlp"][0]
+    spec = dataclasses.replace(IMAGE_SPEC, num_classes=8)   # every dimension divides 4
+
+    def rows(stage):
+        return tfdist.layout_rows(_zero_stage_config("mlp", stage, mesh),
+                                  model_fn=lambda s: models.build(model_config, s),
+                                  dataset_fn=image_dataset_fn, spec=spec,
+                                  layout_rules=models.layout_rules(model_config))
+
+    fsdp = rows(3)
+    assert {r["kind"] for r in fsdp} == {"variable", "gradient", "slot"}
+    assert len([r for r in fsdp if r["kind"] == "gradient"]) == 6
+    assert _held_whole(fsdp) == []
+    total = sum(r["global_bytes"] for r in fsdp if r["shape"])
+    per_device = sum(r["device_bytes"] for r in fsdp if r["shape"])
+    # The 1/4 floor, exactly on batch:4; on 2x2 a bias its rule splits over
+    # `model` has no dimension left for `batch` (1/2 of it per device).
+    assert per_device == total // 4 if mesh.startswith("batch:4") else per_device <= 0.27 * total
+    control = _held_whole(rows(1))
+    assert ("variable", "hidden_1/bias") in control and ("gradient", "logits/kernel") in control
+
+
+@pytest.mark.parametrize("precision", ["mixed_bfloat16"])
+def test_zero3_mixed_precision_stays_close_to_one_device(references, precision):
+    """bf16 under FSDP: the gathered float32 weights are cast for compute as
+    on one device; the bound of test_mixed_precision_trains_on_the_mesh."""
+    initial, _ = references["mlp"]
+    reference = _train(_config("default", CASES["mlp"][0], precision=precision), "mlp", initial)
+    result = _train(_zero_stage_config("mlp", 3, "batch:2,model:2", precision=precision),
+                    "mlp", initial)
+    _assert_close_in_bulk(result, reference, initial)
+
+
+def test_zero_stage_bad_input_is_one_line_before_training():
+    config = _config("mirrored", CASES["mlp"][0])
+    config = config.replace(strategy=dataclasses.replace(config.strategy, zero_stage=2))
+    with pytest.raises(UsageError, match=r"--zero_stage=2 .* --strategy=mirrored has no mesh"):
+        tfdist.train(config, model_fn=lambda s: models.build(CASES["mlp"][0], s),
+                     dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+    # A 257x257 kernel: no dimension divides batch=4, too large to keep whole.
+    wide = tfdist.ModelConfig(name="mlp", width=257, depth=2)
+    with pytest.raises(UsageError, match=r"--zero_stage=3: variable hidden_1/kernel \(shape "
+                                         r"\(257, 257\).* cannot be split over batch=4"):
+        tfdist.describe_layouts(_zero_stage_config("mlp", 3, "batch:4,model:1"),
+                                model_fn=lambda s: models.build(wide, s),
+                                dataset_fn=image_dataset_fn, spec=IMAGE_SPEC,
+                                layout_rules=models.layout_rules(wide))
+
+
+@pytest.mark.slow   # six restores on five meshes/engines (~30 s of `make unit`); make test runs it
+def test_checkpoint_reshards_across_meshes_stages_and_strategies(tmp_path):
+    """Saved under ZeRO-3 on 2x2 (every variable split over batch and model),
+    restored under stages 0, 1 and 2, on 1x4, 4x1, 2x2 and 1x1, and under
+    default and mirrored: every variable and slot bit-identical."""
+    model_config = CASES["mlp"][0]
+    written = _train(_zero_stage_config("mlp", 3, "batch:2,model:2", steps=3,
+                                        model_dir=str(tmp_path)), "mlp",
+                     models.build(model_config, IMAGE_SPEC).get_weights())
+    saved = [v.numpy() for v in [*written.model.variables, *written.optimizer.variables]]
+    probe = np.random.default_rng(7).normal(size=(8, *IMAGE_SPEC.input_shape)).astype(np.float32)
+    predictions = []
+    for strategy, mesh, stage in [("dtensor", "batch:1,model:4", 0),
+                                  ("dtensor", "batch:4,model:1", 1),
+                                  ("dtensor", "batch:2,model:2", 2),
+                                  ("dtensor", "batch:1,model:1", 0),
+                                  ("default", "", 0), ("mirrored", "", 0)]:
+        config = _config(strategy, model_config, mesh=mesh or "batch:1,model:2", steps=3,
+                         model_dir=str(tmp_path))
+        config = config.replace(strategy=dataclasses.replace(
+            config.strategy, zero_stage=stage,
+            virtual_devices=1 if mesh == "batch:1,model:1" else config.strategy.virtual_devices))
+        other = tfdist.train(config, model_fn=lambda s: models.build(model_config, s),
+                             dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+        assert other.summary["steps"] == 3, (strategy, mesh)   # restored, nothing retrained
+        assert_variables_equal([v.numpy() for v in [*other.model.variables,
+                                                    *other.optimizer.variables]], saved)
+        if strategy != "dtensor":
+            predictions.append(other.model.predict(probe, verbose=0))
+    np.testing.assert_allclose(predictions[0], predictions[1], **PREDICTION_TOLERANCE)
+
+
+def test_mirrored_checkpoint_restores_under_zero3(tmp_path):
+    """The reverse: whole variables saved under mirrored, restored split over
+    both axes of a 2x2 mesh (each process reads its shards' slices)."""
+    model_config = CASES["mlp"][0]
+    written = _train(_config("mirrored", model_config, steps=2, model_dir=str(tmp_path)), "mlp",
+                     models.build(model_config, IMAGE_SPEC).get_weights())
+    read = tfdist.train(_zero_stage_config("mlp", 3, "batch:2,model:2", steps=2,
+                                           model_dir=str(tmp_path)),
+                        model_fn=lambda s: models.build(model_config, s),
+                        dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+    assert read.summary["steps"] == 2 and read.summary["zero_stage"] == 3
+    assert_variables_equal([v.numpy() for v in read.model.variables], written.model.get_weights())
+    assert_variables_equal([v.numpy() for v in read.optimizer.variables],
+                           [v.numpy() for v in written.optimizer.variables])
