@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from tfdist import models
@@ -159,3 +160,34 @@ def test_mirrored_checkpoint_restores_under_zero3(tmp_path):
     assert_variables_equal([v.numpy() for v in read.model.variables], written.model.get_weights())
     assert_variables_equal([v.numpy() for v in read.optimizer.variables],
                            [v.numpy() for v in written.optimizer.variables])
+
+
+def test_a_model_too_large_for_one_process_predicts_evaluates_and_exports_on_the_mesh(
+        references, tmp_path, monkeypatch):
+    """With a memory limit too small for a whole copy (TFDIST_WORKER_MEMORY,
+    as tfdist-launch --worker_memory sets it), RunResult.model is a MeshModel:
+    predict, evaluate and export run on the mesh and agree with the whole copy
+    of the same run; the exported model.keras loads and predicts the same."""
+    from tfdist.mesh_model import MeshModel
+    initial, _ = references["mlp"]
+    config = _zero_stage_config("mlp", 3, "batch:2,model:2")
+    whole = _train(config, "mlp", initial)
+    assert not isinstance(whole.model, MeshModel)
+    monkeypatch.setenv("TFDIST_WORKER_MEMORY", "4096")   # 4 KiB: no whole copy fits
+    export_dir = tmp_path / "export"
+    sharded = _train(config.replace(train=dataclasses.replace(
+        config.train, export_dir=str(export_dir))), "mlp", initial)
+    assert isinstance(sharded.model, MeshModel)
+    probe = np.random.default_rng(7).normal(size=(13, *IMAGE_SPEC.input_shape)).astype(np.float32)
+    expected = whole.model.predict(probe, verbose=0)
+    np.testing.assert_allclose(sharded.model.predict(probe, batch_size=4), expected,
+                               **PREDICTION_TOLERANCE)   # 13 rows: a padded last batch
+    np.testing.assert_allclose(np.asarray(sharded.model(probe)), expected, **PREDICTION_TOLERANCE)
+    x, y = next(iter(image_dataset_fn("test", tf.distribute.InputContext()).batch(
+        IMAGE_SPEC.eval_examples)))
+    results = sharded.model.evaluate(x.numpy(), y.numpy(), return_dict=True)
+    assert results["loss"] == pytest.approx(whole.summary["test_loss"], rel=1e-5)
+    assert results["accuracy"] == pytest.approx(whole.summary["accuracy"], rel=1e-5)
+    assert sharded.summary["export"]["saved_model"] is None
+    loaded = tfdist.load_model(sharded.summary["export"]["keras"])
+    np.testing.assert_allclose(loaded.predict(probe, verbose=0), expected, **PREDICTION_TOLERANCE)

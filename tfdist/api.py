@@ -31,6 +31,7 @@ from tfdist.training import optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
 from tfdist.strategies.capabilities import ServingProcesses, TensorSharding, capability
+from tfdist.mesh_model import MeshModel
 from tfdist.training.controller import Controller
 from tfdist.training.trainer import Trainer, total_steps
 
@@ -38,9 +39,10 @@ from tfdist.training.trainer import Trainer, total_steps
 @dataclasses.dataclass
 class RunResult:
     summary: dict          # the run summary (also printed and written as summary.json)
-    # The trained model; predicts, evaluates on host data. None under tensor
-    # sharding when a whole copy would not fit this process (see sharded_model).
-    model: Optional[keras.Model]
+    # The trained model; predicts, evaluates on host data. Under tensor
+    # sharding, when a whole copy would not fit this process, a `MeshModel`
+    # (predict, evaluate and save run on the mesh; see tfdist/mesh_model.py).
+    model: keras.Model
     optimizer: keras.optimizers.Optimizer
     is_chief: bool = True  # only the chief prints and writes the summary
     # For `tfdist.export(result, ...)`: the engine the model lives on and how
@@ -59,6 +61,8 @@ def export(source, export_dir: str, *, model_fn=None, spec=None) -> dict:
     checkpoint; runs of your own model_fn pass it again). Returns the paths.
     """
     if isinstance(source, RunResult):
+        if isinstance(source.model, MeshModel):
+            return export_lib.export_mesh_model(source.model, export_dir)
         return export_lib.export_model(source.model, export_dir, strategy=source.strategy,
                                        rebuild=source.rebuild)
     return export_lib.export_checkpoint(str(source), export_dir, model_fn=model_fn, spec=spec)
@@ -341,12 +345,6 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     steps = total_steps(tc, inputs.spec)
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
     task = _task(config, strategy, model, inputs, loss, metrics)
-    sharded = capability(strategy, TensorSharding)
-    refusal = sharded.host_copy_refusal(model) if sharded and tc.export_dir else None
-    if refusal:
-        raise UsageError(f"--export_dir={tc.export_dir}: export writes a whole copy of the "
-                         f"model, and {refusal}; leave --export_dir unset (checkpoints in "
-                         "--model_dir are written shard by shard)")
     if strategy.is_chief and tc.model_dir:
         export_lib.write_run_record(tc.model_dir, config, inputs.spec,
                                     builder=model_fn is None)
@@ -364,7 +362,8 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     if tc.model_dir:
         checkpointer = Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
                                     is_chief=strategy.is_chief,
-                                    shared_write=bool(sharded) and strategy.num_workers > 1,
+                                    shared_write=isinstance(strategy, TensorSharding)
+                                    and strategy.num_workers > 1,
                                     model=model,
                                     optimizer=optimizer, step=trainer.step)
     controller = Controller(config=config, trainer=trainer, inputs=inputs, total_steps=steps,
@@ -383,11 +382,11 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     except tf.errors.OpError as error:
         raise WorkerFault(strategy.describe_fault(error)) from error
     summary = summary_lib.run_summary(config, controller, inputs, metrics, peak_lr=peak_lr)
-    return _finish(config, strategy, model, optimizer, summary,
+    return _finish(config, strategy, model, optimizer, summary, task,
                    lambda: _serving_model(config, model_fn, inputs.spec))
 
 
-def _finish(config, strategy, model, optimizer, summary, rebuild) -> RunResult:
+def _finish(config, strategy, model, optimizer, summary, task, rebuild) -> RunResult:
     """Export and write the summary (the chief), and the `RunResult`.
 
     A model whose variables are sharded over a mesh cannot run on host data
@@ -401,12 +400,14 @@ def _finish(config, strategy, model, optimizer, summary, rebuild) -> RunResult:
     if sharded is not None:
         refusal = strategy.host_copy_refusal(sharded)
         if refusal:
-            logging.warning("%s: RunResult.model is None; RunResult.sharded_model is the "
-                            "trained model on the mesh", refusal)
-            model = None
+            logging.warning("%s: RunResult.model runs predict, evaluate and save on the mesh "
+                            "(tfdist.MeshModel)", refusal)
+            model = MeshModel(sharded, strategy, task, is_chief=strategy.is_chief)
         else:
             model = export_lib.host_copy(sharded, strategy, rebuild)
-    if strategy.is_chief and tc.export_dir:
+    if isinstance(model, MeshModel) and tc.export_dir:   # every process: gathers
+        summary["export"] = export_lib.export_mesh_model(model, tc.export_dir)
+    elif strategy.is_chief and tc.export_dir:
         summary["export"] = export_lib.export_model(
             model, tc.export_dir, strategy=None if sharded else strategy,
             rebuild=None if sharded else rebuild)

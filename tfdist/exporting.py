@@ -87,6 +87,45 @@ def host_copy(model, strategy, rebuild: Callable):
     return copy
 
 
+def export_mesh_model(model, export_dir: str) -> Optional[dict]:
+    """Export a `MeshModel` (a model too large for one process): `model.keras`
+    written one variable at a time (`MeshModel.save`); no SavedModel, whose
+    export traces the model whole in one process. Every process calls this;
+    the chief writes `export_dir` (replaced atomically), the others nothing."""
+    from absl import logging
+
+    export_dir = os.path.abspath(export_dir)
+    staging = None
+    if model._is_chief:
+        parent = os.path.dirname(export_dir)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
+        except OSError as error:
+            raise UsageError(f"--export_dir={export_dir} cannot be written: "
+                             f"{error.strerror or error}") from None
+    try:
+        model.save(os.path.join(staging or tempfile.gettempdir(), "model.keras"))
+        if staging:
+            previous = None
+            if os.path.exists(export_dir):
+                previous = f"{staging}.previous"
+                os.replace(export_dir, previous)
+            os.replace(staging, export_dir)
+            if previous:
+                shutil.rmtree(previous, ignore_errors=True)
+    except BaseException:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if not model._is_chief:
+        return None
+    paths = {"keras": os.path.join(export_dir, "model.keras"), "saved_model": None}
+    logging.info("exported %s (no SavedModel: the model does not fit one process)",
+                 paths["keras"])
+    return paths
+
+
 def export_model(model, export_dir: str, *, strategy=None,
                  rebuild: Optional[Callable] = None) -> dict:
     """Write `model` (trained under `strategy`) to `export_dir`; return the paths."""

@@ -60,6 +60,11 @@ class TensorSharding(Capability):
         accumulated and applied in (ZeRO-2 splits them). Default: as given."""
         return list(grads)
 
+    @abc.abstractmethod
+    def predict_on_mesh(self, model, x, batch_size: Optional[int] = None):
+        """`model`'s outputs for host inputs `x`, computed where its variables
+        live (for a model too large to copy whole into one process)."""
+
     def host_copy_refusal(self, model) -> Optional[str]:
         """Why a whole copy of `model` must not be made in this process (it
         would not fit), or None. Default: it fits."""

@@ -151,8 +151,8 @@ class MeshVariable(dtensor.DVariable):
     def numpy(self):
         return _gather(self.read_value()).numpy()
 
-    def __array__(self, dtype=None):
-        array = self.numpy()
+    def __array__(self, dtype=None, copy=None):
+        array = self.numpy()   # a fresh host array: a copy whatever `copy` asks
         return array if dtype is None else array.astype(dtype)
 
 
@@ -175,6 +175,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         self._update_layouts = {}  # id(trainable variable) -> its update's layout
         self._var_layouts = {}     # id(trainable variable) -> its stored layout
         self.zero = config.zero  # the ZeRO stage (--zero_stage)
+        self._predict_fns = {}   # id(model) -> its traced forward pass (predict_on_mesh)
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -520,6 +521,35 @@ class DTensorStrategy(Strategy, TensorSharding):
                                 "--collective_timeout_s=%gs; leaving anyway",
                                 spec.name(0), spec.name(peer),
                                 self.config.collective_timeout_s)
+
+    def predict_on_mesh(self, model, x, batch_size: Optional[int] = None):
+        """`model`'s outputs for host inputs `x`, computed SPMD on the mesh in
+        batches of `batch_size` (default 32) rounded up to a multiple of the
+        `batch` axis, each split over it; ZeRO-3 variables are gathered for
+        use as in training. Outputs come back to the host as NumPy."""
+        from tfdist.mesh_model import padded_batches
+
+        per = self.axes[sharding.BATCH]
+        batch = -(-(batch_size or 32) // per) * per
+        inputs = getattr(model, "inputs", None) or []
+        dtypes = [i.dtype for i in inputs] if len(inputs) == len(tf.nest.flatten(x)) else None
+        forward = self._predict_fns.get(id(model))
+        if forward is None:
+            @tf.function
+            def forward(*xs):
+                with self.compute_scope():
+                    return model(tf.nest.pack_sequence_as(x, list(xs)), training=False)
+            self._predict_fns[id(model)] = forward
+        outputs = []
+        for chunk, real in padded_batches(x, batch):
+            xs = [_lay_out(tf.convert_to_tensor(c, dtype=dtypes[i] if dtypes else None),
+                           dtensor.Layout.batch_sharded(self.mesh, sharding.BATCH, c.ndim))
+                  for i, c in enumerate(chunk)]
+            with dtensor.default_mesh(self.mesh):
+                result = forward(*xs)
+            outputs.append(tf.nest.map_structure(lambda t: self.to_host(t).numpy()[:real],
+                                                 result))
+        return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
 
     def host_copy_refusal(self, model) -> Optional[str]:
         """Why a whole copy of `model` would not fit this process (None if it
