@@ -96,7 +96,7 @@ def export_mesh_model(model, export_dir: str) -> Optional[dict]:
 
     export_dir = os.path.abspath(export_dir)
     staging = None
-    if model._is_chief:
+    if model.is_chief:
         parent = os.path.dirname(export_dir)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -118,7 +118,7 @@ def export_mesh_model(model, export_dir: str) -> Optional[dict]:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    if not model._is_chief:
+    if not model.is_chief:
         return None
     paths = {"keras": os.path.join(export_dir, "model.keras"), "saved_model": None}
     logging.info("exported %s (no SavedModel: the model does not fit one process)",

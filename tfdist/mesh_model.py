@@ -27,7 +27,7 @@ class MeshModel:
 
     def __init__(self, sharded_model, strategy, task, *, is_chief: bool = True):
         self.sharded_model = sharded_model
-        self._strategy, self._task, self._is_chief = strategy, task, is_chief
+        self._strategy, self._task, self.is_chief = strategy, task, is_chief
 
     @property
     def name(self) -> str:
@@ -77,7 +77,7 @@ class MeshModel:
         None on the others."""
         if not path.endswith(".keras"):
             raise ValueError(f"{path}: a MeshModel saves the Keras format (a .keras file)")
-        target = path if self._is_chief else os.path.join(tempfile.mkdtemp(), "scratch.keras")
+        target = path if self.is_chief else os.path.join(tempfile.mkdtemp(), "scratch.keras")
         staging = f"{target}.tmp-{os.getpid()}.keras"
         try:
             self.sharded_model.save(staging)
@@ -85,13 +85,9 @@ class MeshModel:
         finally:
             if os.path.exists(staging):
                 os.remove(staging)
-            if not self._is_chief:
+            if not self.is_chief:
                 shutil.rmtree(os.path.dirname(target), ignore_errors=True)
-        return path if self._is_chief else None
-
-
-def _rows(x) -> int:
-    return len(tf.nest.flatten(x)[0])
+        return path if self.is_chief else None
 
 
 def padded_batches(x, batch: int):
