@@ -29,21 +29,35 @@ class LayoutTable:
     """Layouts of each trainable variable, its slots and its update, by the
     optimizer's index.
 
-    The update is computed in one layout: the variable's (stages 0-1), or the
-    slots' and the gradient's, split over `batch` (stages 2-3). A slot stored
-    in another layout is relayouted for the update (`read`: ZeRO-1 gathers it)
-    and back when stored (`store`); the weight update is relayouted to the
-    variable's layout when that differs (`to_variable`: ZeRO-2 gathers it, as
-    ZeRO-2's all-gather of the updated parameters). Under ZeRO-1 the gradient
-    keeps the variable's layout: relaying it out to the slot's layout instead
-    let DTensor's layout propagation push the split back into the backward
-    pass, which then failed to compile (EmitAllScatter); ZeRO-2 relayouts it
-    as it leaves the backward pass (`DTensorStrategy.shard_gradients`).
+    The update is computed in one layout: the variable's (stage 0), or the
+    slots', split over `batch` (stages 1-3). A slot stored in another layout
+    would be relayouted for the update (`read`) and back when stored
+    (`store`); the weight update is relayouted to the variable's layout when
+    that differs (`to_variable`: ZeRO-1 and 2 gather it, as ZeRO's all-gather
+    of the updated parameters). The gradient: ZeRO-2 splits it as it leaves
+    the backward pass (`DTensorStrategy.shard_gradients`), ZeRO-3's comes back
+    split, ZeRO-1's is split here (`gradient`). Relaying a gradient out to the
+    split layout directly let DTensor's layout propagation push the split back
+    into the backward pass, which then failed to compile (EmitAllScatter, and
+    "'tf.Tile' op requires ..."); pinned to its variable's layout first, it
+    compiles.
     """
 
-    def __init__(self, var_layouts: list, slot_layouts: list, update_layouts: list):
+    def __init__(self, var_layouts: list, slot_layouts: list, update_layouts: list,
+                 split_gradients: bool = False):
         self.var_layouts, self.slot_layouts = var_layouts, slot_layouts
         self.update_layouts = update_layouts
+        self.split_gradients = split_gradients
+
+    def gradient(self, index: int, value):
+        """The gradient in the update's layout. ZeRO-1's arrives whole over
+        `batch` (in its variable's layout) and is split here, a local slice:
+        pinned to the variable's layout first, or DTensor's layout propagation
+        pushes the split back into the backward pass (see class doc)."""
+        if not self.split_gradients or self.var_layouts[index] == self.update_layouts[index]:
+            return value
+        return dtensor.relayout(dtensor.relayout(value, self.var_layouts[index]),
+                                self.update_layouts[index])
 
     def read(self, index: int, slot):
         value = tf.convert_to_tensor(slot)
@@ -66,7 +80,7 @@ def _adam_update(self, layouts, gradient, variable, learning_rate):
     dtype = variable.dtype
     index = compat.variable_index(self, variable)
     lr = tf.cast(learning_rate, dtype)
-    g = tf.cast(gradient, dtype)
+    g = layouts.gradient(index, tf.cast(gradient, dtype))
     step = tf.cast(self.iterations + 1, dtype)
     alpha = lr * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), step)) / (
         1 - tf.pow(tf.cast(self.beta_1, dtype), step))
@@ -84,7 +98,7 @@ def _sgd_update(self, layouts, gradient, variable, learning_rate):
     dtype = variable.dtype
     index = compat.variable_index(self, variable)
     lr = tf.cast(learning_rate, dtype)
-    g = tf.cast(gradient, dtype)
+    g = layouts.gradient(index, tf.cast(gradient, dtype))
     if not self.momentum:
         variable.assign_sub(layouts.to_variable(index, g * lr))
         return
