@@ -31,7 +31,7 @@ from common import BIN, REPO, Clock, finish, print_row  # noqa: E402
 from tfdist.observe import hardware  # noqa: E402
 
 HEADER = ["stage", "bytes/step (all)", "per process (Psi)", "ring theory (Psi)"]
-THEORY = {0: "all-reduce", 1: "all-reduce", 2: "reduce-scatter + all-gather",
+THEORY = {0: "all-reduce", 1: "reduce-scatter + all-gather", 2: "reduce-scatter + all-gather",
           3: "all-gather x2 + reduce-scatter"}
 
 
