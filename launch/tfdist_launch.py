@@ -230,11 +230,14 @@ def _unshare(flags, what):
         raise Refused(f"{what}: {os.strerror(ctypes.get_errno())}")
 
 
-def _write(path, text):
+def _write(path, text, error=None):
+    """Write `text` to `path`; an OSError becomes `error` (default Refused)."""
     try:
         with open(path, "w") as f:
             f.write(text)
     except OSError as e:
+        if error is not None:
+            raise error(f"writing {text!r} to {path}: {e.strerror}") from None
         raise Refused(f"writing {path}: {e.strerror}") from None
 
 
@@ -384,11 +387,7 @@ def _read(path):
 
 
 def _cgroup_write(path, text):
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise NoCgroup(f"writing {text!r} to {path}: {e.strerror}") from None
+    _write(path, text, error=NoCgroup)
 
 
 def _remove_cgroup(path):

@@ -87,39 +87,43 @@ def host_copy(model, strategy, rebuild: Callable):
     return copy
 
 
+def _write_atomically(export_dir: str, write: Callable[[str], None]) -> None:
+    """`write(staging)` fills a fresh directory beside `export_dir`, which then
+    replaces `export_dir` in one rename (a failure leaves the old one intact)."""
+    parent = os.path.dirname(export_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
+    except OSError as error:
+        raise UsageError(f"--export_dir={export_dir} cannot be written: "
+                         f"{error.strerror or error}") from None
+    try:
+        write(staging)
+        previous = None
+        if os.path.exists(export_dir):
+            previous = f"{staging}.previous"
+            os.replace(export_dir, previous)
+        os.replace(staging, export_dir)
+        if previous:
+            shutil.rmtree(previous, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def export_mesh_model(model, export_dir: str) -> Optional[dict]:
     """Export a `MeshModel` (a model too large for one process): `model.keras`
     written one variable at a time (`MeshModel.save`); no SavedModel, whose
-    export traces the model whole in one process. Every process calls this;
-    the chief writes `export_dir` (replaced atomically), the others nothing."""
+    export traces the model whole in one process. Every process calls this
+    (the gathers are collectives); the chief writes `export_dir`, replaced
+    atomically, the others a scratch file `MeshModel.save` deletes."""
     from absl import logging
 
     export_dir = os.path.abspath(export_dir)
-    staging = None
-    if model.is_chief:
-        parent = os.path.dirname(export_dir)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
-        except OSError as error:
-            raise UsageError(f"--export_dir={export_dir} cannot be written: "
-                             f"{error.strerror or error}") from None
-    try:
-        model.save(os.path.join(staging or tempfile.gettempdir(), "model.keras"))
-        if staging:
-            previous = None
-            if os.path.exists(export_dir):
-                previous = f"{staging}.previous"
-                os.replace(export_dir, previous)
-            os.replace(staging, export_dir)
-            if previous:
-                shutil.rmtree(previous, ignore_errors=True)
-    except BaseException:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
     if not model.is_chief:
+        model.save(os.path.join(export_dir, "model.keras"))
         return None
+    _write_atomically(export_dir, lambda staging: model.save(os.path.join(staging, "model.keras")))
     paths = {"keras": os.path.join(export_dir, "model.keras"), "saved_model": None}
     logging.info("exported %s (no SavedModel: the model does not fit one process)",
                  paths["keras"])
@@ -133,27 +137,13 @@ def export_model(model, export_dir: str, *, strategy=None,
 
     serving = model if rebuild is None else host_copy(model, strategy, rebuild)
     export_dir = os.path.abspath(export_dir)
-    parent = os.path.dirname(export_dir)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
-    except OSError as error:
-        raise UsageError(f"--export_dir={export_dir} cannot be written: "
-                         f"{error.strerror or error}") from None
-    try:
+
+    def write(staging):
         serving.save(os.path.join(staging, "model.keras"))
         serving.export(os.path.join(staging, "saved_model"), format="tf_saved_model",
                        verbose=False)
-        previous = None
-        if os.path.exists(export_dir):
-            previous = f"{staging}.previous"
-            os.replace(export_dir, previous)
-        os.replace(staging, export_dir)
-        if previous:
-            shutil.rmtree(previous, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    _write_atomically(export_dir, write)
     paths = {"keras": os.path.join(export_dir, "model.keras"),
              "saved_model": os.path.join(export_dir, "saved_model")}
     logging.info("exported %s and %s", paths["keras"], paths["saved_model"])

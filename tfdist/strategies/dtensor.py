@@ -359,12 +359,8 @@ class DTensorStrategy(Strategy, TensorSharding):
         then keeps each device's part). ZeRO-3's come back split already."""
         if self.zero != 2:
             return list(grads)
-        # First pinned to the variable's layout: the split alone, propagated
-        # back into the backward pass by DTensor's layout propagation, failed
-        # to compile there (the transformer: "'tf.Tile' op requires
-        # input.shape[0] (32) * 1 to be equal to output.shape[0] (16)").
-        return [dtensor.relayout(dtensor.relayout(g, self._var_layouts[id(v)]),
-                                 self._update_layouts[id(v)])
+        return [dtensor_updates.split_gradient(g, self._var_layouts[id(v)],
+                                               self._update_layouts[id(v)])
                 if id(v) in self._update_layouts else g for g, v in zip(grads, variables)]
 
     @contextlib.contextmanager

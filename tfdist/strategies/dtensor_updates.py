@@ -51,13 +51,11 @@ class LayoutTable:
 
     def gradient(self, index: int, value):
         """The gradient in the update's layout. ZeRO-1's arrives whole over
-        `batch` (in its variable's layout) and is split here, a local slice:
-        pinned to the variable's layout first, or DTensor's layout propagation
-        pushes the split back into the backward pass (see class doc)."""
+        `batch` (in its variable's layout) and is split here, a local slice
+        (`split_gradient`)."""
         if not self.split_gradients or self.var_layouts[index] == self.update_layouts[index]:
             return value
-        return dtensor.relayout(dtensor.relayout(value, self.var_layouts[index]),
-                                self.update_layouts[index])
+        return split_gradient(value, self.var_layouts[index], self.update_layouts[index])
 
     def read(self, index: int, slot):
         value = tf.convert_to_tensor(slot)
@@ -74,6 +72,15 @@ class LayoutTable:
         if self.var_layouts[index] != self.update_layouts[index]:
             value = dtensor.relayout(value, self.var_layouts[index])
         return value
+
+
+def split_gradient(gradient, variable_layout, layout):
+    """`gradient` (whole over `batch`) relayouted to the more split `layout`,
+    pinned to its variable's layout first: the split alone, propagated back
+    into the backward pass by DTensor's layout propagation, failed to compile
+    there (EmitAllScatter; on the transformer "'tf.Tile' op requires
+    input.shape[0] (32) * 1 to be equal to output.shape[0] (16)")."""
+    return dtensor.relayout(dtensor.relayout(gradient, variable_layout), layout)
 
 
 def _adam_update(self, layouts, gradient, variable, learning_rate):

@@ -186,6 +186,13 @@ class Trainer:
                                       (x, y, weight))
         first = self._micro_batch_gradients(*_take(parts, 0))
         data, separate, counters = first.data, first.regularization, first.counters
+
+        def add(i, data, separate, counters):
+            more = self._micro_batch_gradients(*_take(parts, i))
+            return ([g + m for g, m in zip(data, more.data)],
+                    [g + m for g, m in zip(separate, more.regularization)],
+                    counters + more.counters)
+
         if self.sharded:
             # Unrolled on a mesh: DTensor re-exports a while loop nested in
             # another (the train loop's) under its op name, and a later
@@ -195,20 +202,11 @@ class Trainer:
             # scope per trace). k copies of the micro-batch step: TensorFlow
             # may run them side by side (more activations alive than the loop).
             for i in range(1, k):
-                more = self._micro_batch_gradients(*_take(parts, i))
-                data = [g + m for g, m in zip(data, more.data)]
-                separate = [g + m for g, m in zip(separate, more.regularization)]
-                counters += more.counters
-            return LocalGradients(data, separate, counters, first.provisional_divisor)
-        return self._accumulate(parts, k, first, data, separate, counters)
-
-    def _accumulate(self, parts, k, first, data, separate, counters) -> LocalGradients:
-        for i in tf.range(1, k):
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            more = self._micro_batch_gradients(*_take(parts, i))
-            data = [g + m for g, m in zip(data, more.data)]
-            separate = [g + m for g, m in zip(separate, more.regularization)]
-            counters += more.counters
+                data, separate, counters = add(i, data, separate, counters)
+        else:
+            for i in tf.range(1, k):
+                tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+                data, separate, counters = add(i, data, separate, counters)
         return LocalGradients(data, separate, counters, first.provisional_divisor)
 
     def _reduce(self, tensors):
