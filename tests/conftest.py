@@ -15,9 +15,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfdist import cluster  # noqa: E402
+from tfdist import cluster, compat  # noqa: E402
 
 cluster.configure_virtual_cpus(4)
+
+# The in-process suite trains stage 3 on 1-D and 2-D meshes in one process, and
+# DTensor reads its gather lowering once per process: keep its default gather
+# here (as a first DTensor run that is not stage 3 does). The collective
+# gather that a stage-3 run on a 1-D mesh picks is tested in processes of its
+# own (tests/test_fits.py, the 2-process run of tests/test_dtensor.py).
+compat.dtensor_fsdp_lowering({"batch": 2, "model": 2}, 0)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

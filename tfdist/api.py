@@ -261,6 +261,8 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
             total_steps=steps))
         optimizer.build(model.trainable_variables)
     strategy.on_optimizer_built(optimizer, model.trainable_variables)
+    if sharded:
+        sharded.prepare_model(model)
     return model, optimizer
 
 

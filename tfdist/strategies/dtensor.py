@@ -93,6 +93,8 @@ def _gather(value):
 
 class _Gathering(threading.local):
     active = False
+    recomputing = False   # a layer's forward again, for its backward pass
+    after = None          # a scalar zero the gathers wait for (see _gathered_per_layer)
 
 
 _gathering = _Gathering()   # inside DTensorStrategy.compute_scope (this thread)
@@ -112,6 +114,81 @@ def _made_on_mesh(initial_value, layout, dtype):
 
     with dtensor.default_mesh(layout.mesh):
         return make()
+
+
+def _zero_after(tensors):
+    """A scalar zero computed from `tensors`: added to a variable's shard
+    before its gather, it makes the gather wait for them. A control
+    dependency would not: DTensor's passes keep control edges only between
+    stateful ops (verified: gathers under `tf.control_dependencies` still ran
+    at the start of the step). One scalar sum over the mesh per use."""
+    floats = [t for t in tensors if t.dtype.is_floating]
+    if not floats:
+        return None
+    return tf.stop_gradient(tf.add_n([tf.cast(tf.reduce_sum(t), tf.float32) for t in floats]) * 0.0)
+
+
+def _gathered_per_layer(layer, call):
+    """`layer.call`, so that under stage 3 a layer's gathered weights live only
+    while the layer computes: gathered after its input exists (TensorFlow runs
+    an op as soon as its inputs are ready, and a read depends on nothing, so
+    every gather would otherwise run at the start of the step), dropped after
+    the forward use, and gathered again for the backward pass once the
+    layer's output gradient exists, by recomputing the layer there (the
+    gradient of a matmul would otherwise keep its gathered operand alive from
+    the forward pass to the backward one). Calls with other tensor arguments
+    than one floating input run as they are: a lookup (`Embedding`) needs no
+    weights for its gradient, and DTensor failed to compile the custom
+    gradient of an integer input ("operand #0 does not dominate this use")."""
+    @functools.wraps(call)
+    def gathered_call(*args, **kwargs):
+        if (_gathering.recomputing or not _gathering.active or not tf.inside_function()
+                or not args or not tf.is_tensor(args[0]) or not args[0].dtype.is_floating
+                or any(tf.is_tensor(a) for a in tf.nest.flatten((args[1:], kwargs)))):
+            return call(*args, **kwargs)
+        rest = args[1:]
+
+        def waiting_for(tensors, run):
+            before, _gathering.after = _gathering.after, _zero_after(tensors)
+            try:
+                return run()
+            finally:
+                _gathering.after = before
+
+        @tf.custom_gradient
+        def forward(x):
+            y = waiting_for([x], lambda: call(x, *rest, **kwargs))
+
+            def backward(dy, variables=None):
+                x_again = tf.identity(x)
+                # Gathered as in the forward pass, also where the gradient is
+                # taken outside `compute_scope`.
+                before = _gathering.recomputing, _gathering.active
+                _gathering.recomputing = _gathering.active = True
+                try:
+                    with tf.GradientTape() as tape:
+                        tape.watch(x_again)
+                        y_again = waiting_for(tf.nest.flatten(dy),
+                                              lambda: layer(x_again, *rest, **kwargs))
+                finally:
+                    _gathering.recomputing, _gathering.active = before
+                sources = [x_again] + list(variables or [])
+                grads = tape.gradient(y_again, sources, output_gradients=dy)
+                dx, dvars = grads[0], grads[1:]
+                # The layer below starts its backward pass once these gradients
+                # are reduce-scattered, else the backward pass (fast) runs ahead
+                # of the reductions (slow) and every layer's whole gradient
+                # waits in memory at once.
+                done = _zero_after([g for g in dvars if g is not None])
+                if dx is not None and done is not None:
+                    dx = dx + tf.cast(done, dx.dtype)
+                return dx, dvars
+
+            return y, backward
+
+        return forward(args[0])
+
+    return gathered_call
 
 
 class MeshVariable(dtensor.DVariable):
@@ -145,6 +222,8 @@ class MeshVariable(dtensor.DVariable):
         if self.compute_layout is not None and _gathering.active:
             # FSDP: all-gather for use; its gradient is the reduce-scatter
             # back to the stored layout. Read on every use, not kept.
+            if _gathering.after is not None:
+                value = value + tf.cast(_gathering.after, value.dtype)
             value = dtensor.relayout(value, self.compute_layout)
         return value
 
@@ -180,6 +259,7 @@ class DTensorStrategy(Strategy, TensorSharding):
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
         size = self.axes[sharding.BATCH] * self.axes[sharding.MODEL]
+        compat.dtensor_fsdp_lowering(self.axes, self.zero)
         self._spec = cluster.resolve(self.config.worker_hosts, self.config.task_index)
         if self._spec is not None and self._spec.num_workers > 1:
             self._setup_clients(size)
@@ -342,6 +422,17 @@ class DTensorStrategy(Strategy, TensorSharding):
         if kind == "variable" and stored != spec:
             variable.compute_layout = self._layout(spec)
         return variable
+
+    def prepare_model(self, model) -> None:
+        """Under stage 3, each layer that owns a gathered variable itself gathers
+        its weights for its own computation only (`_gathered_per_layer`)."""
+        if self.zero < 3:
+            return
+        for layer in compat.model_layers(model):
+            own = [v for v in layer.weights if v.path.rsplit("/", 1)[0] == layer.path]
+            if any(getattr(getattr(v, "value", None), "compute_layout", None) is not None
+                   for v in own) and not layer.non_trainable_weights:
+                layer.call = _gathered_per_layer(layer, layer.call)
 
     @contextlib.contextmanager
     def compute_scope(self):
