@@ -441,3 +441,64 @@ def test_coordination_key_value(monkeypatch):
     with pytest.raises(compat.UpstreamChanged) as raised:
         compat.coordination_key_value()
     assert_one_line_change(raised, "get_config_key_value")
+
+
+# -- DTensor: stage 3's gathers ------------------------------------------------------
+
+def test_dtensor_fsdp_lowering(monkeypatch):
+    """The first DTensor run of a process decides; stage 3 on a 1-D mesh picks
+    the collective gather and no all-reduce combining, a value the user set is
+    kept, and a 2-D stage-3 mesh is refused in one line once the collective
+    gather is in effect (TF 2.21 reads it once per process, and it is wrong on
+    2-D meshes: BUILD_NOTES "ZeRO stages 2 and 3")."""
+    from tfdist.errors import UsageError
+    gather, combine = compat._GATHER_ENV, compat._COMBINE_ENV
+    flat, square = {"batch": 4, "model": 1}, {"batch": 2, "model": 2}
+
+    def fresh(**env):
+        monkeypatch.setattr(compat, "_fsdp_env_latched", {})
+        for name in (gather, combine):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+    fresh()
+    compat.dtensor_fsdp_lowering(flat, 3)
+    assert os.environ[gather] == "1" and os.environ[combine] == "0"
+    compat.dtensor_fsdp_lowering(flat, 0)           # later runs change nothing
+    with pytest.raises(UsageError) as raised:
+        compat.dtensor_fsdp_lowering(square, 3)
+    assert "\n" not in str(raised.value) and "--mesh=batch:2,model:2" in str(raised.value)
+    compat.dtensor_fsdp_lowering(square, 2)         # only stage 3 is refused
+
+    fresh()                                          # a first run of another stage: defaults
+    compat.dtensor_fsdp_lowering(flat, 0)
+    compat.dtensor_fsdp_lowering(flat, 3)
+    assert gather not in os.environ and combine not in os.environ
+    compat.dtensor_fsdp_lowering(square, 3)          # the default gather: allowed
+
+    fresh()                                          # 2-D first: the default gather
+    compat.dtensor_fsdp_lowering(square, 3)
+    assert gather not in os.environ and os.environ[combine] == "0"
+
+    fresh(**{gather: "0", combine: "1"})             # the user's values are kept
+    compat.dtensor_fsdp_lowering(flat, 3)
+    assert os.environ[gather] == "0" and os.environ[combine] == "1"
+
+
+def test_model_layers():
+    """Nested layers are listed (ZeRO-3 wraps the ones that own variables)."""
+    inputs = keras.Input((4, 8))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    model = keras.Model(inputs, keras.layers.Dense(3)(attention(inputs, inputs)))
+    layers = compat.model_layers(model)
+    assert attention in layers and model not in layers
+    assert any(isinstance(layer, keras.layers.EinsumDense) and layer.path.startswith(attention.path)
+               for layer in layers)
+
+
+def test_model_layers_check(monkeypatch):
+    monkeypatch.delattr(keras.layers.Layer, "_flatten_layers")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.model_layers(keras.Sequential([keras.layers.Dense(1)]))
+    assert_one_line_change(raised, "_flatten_layers")
