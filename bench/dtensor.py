@@ -1,7 +1,7 @@
 """DTensor meshes and ZeRO stages side by side: throughput and per-device bytes.
 
     .venv/bin/python bench/dtensor.py [--seconds=S] [--steps=N] [--batch=B]
-        [--models=transformer,mlp] [--timeout=T]
+        [--models=transformer,mlp] [--timeout=T] [--fits]
 
 For the transformer and a wide mlp, each mesh (1x1, 2x1, 1x2, 2x2, 4x1 as
 batch x model, on as many virtual CPUs) and ZeRO stage (`--zero_stage` 1 and
@@ -21,7 +21,9 @@ number of steps, about --seconds of timed loops on 1x1 (the first loop of
 each run compiles and is not timed). --steps=N trains exactly N steps (N/4
 per loop) instead. A run still going after --timeout seconds is stopped and
 its row says `timed out`. The table also goes to bench/results/dtensor.md
-and bench/results/report.md.
+and bench/results/report.md. --fits then runs the "does it fit" proof
+(bench/fits.py: a model whose state is 1.3x a per-process memory cap trains
+under ZeRO-3 on four capped processes and is killed in one).
 """
 
 import argparse
@@ -90,6 +92,9 @@ def main():
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--timeout", type=float, default=150,
                         help="seconds after which one run is stopped and reported as timed out")
+    parser.add_argument("--fits", action="store_true",
+                        help="then the 'does it fit' row: bench/fits.py with its defaults "
+                             "(~8 minutes, 12 GiB of memory)")
     args = parser.parse_args()
     print(f"# dtensor meshes on {hardware.describe()}", flush=True)
     clock, rows = Clock(), []
@@ -128,6 +133,9 @@ def main():
             "device read from the shards by --print_layouts (gradients: as one backward pass "
             "leaves them).")
     finish("dtensor", "DTensor meshes (bench/dtensor.py)", body, rows, HEADER, clock)
+    if args.fits:
+        import subprocess
+        subprocess.run([sys.executable, os.path.join(HERE, "fits.py")], check=False)
 
 
 if __name__ == "__main__":
