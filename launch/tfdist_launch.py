@@ -719,7 +719,9 @@ class Worker:
             text += (f": out of memory{where}{batch}, killed by the kernel's OOM killer{cap} (its "
                      f"memory cgroup counted the kill in {self.cgroup_events}); to use less memory: "
                      "--accum_steps (smaller micro-batches), --recompute, "
-                     "--precision=mixed_bfloat16, or a smaller --global_batch_size"
+                     "--precision=mixed_bfloat16, a smaller --global_batch_size, or "
+                     "--strategy=dtensor --zero_stage=3 over more processes (each holds "
+                     "1/N of the model)"
                      + ("; or give it more: a larger --worker_memory" if self.cap else ""))
         return text
 
