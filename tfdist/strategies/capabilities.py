@@ -49,6 +49,10 @@ class TensorSharding(Capability):
     def layout_report(self, model, optimizer) -> str:
         """A table of every variable's sharding and the per-device totals."""
 
+    def prepare_model(self, model) -> None:
+        """Called once the model and its optimizer are built on the engine (ZeRO-3
+        makes each layer gather its own weights). Default: nothing."""
+
     def compute_scope(self):
         """A context for the forward and backward passes, in which sharded
         variables are read in the layout they compute in (ZeRO-3 gathers them

@@ -425,7 +425,10 @@ class DTensorStrategy(Strategy, TensorSharding):
 
     def prepare_model(self, model) -> None:
         """Under stage 3, each layer that owns a gathered variable itself gathers
-        its weights for its own computation only (`_gathered_per_layer`)."""
+        its weights for its own computation only (`_gathered_per_layer`). Not a
+        layer with non-trainable state (BatchNormalization): recomputing it in
+        the backward pass would update its state twice; its weights are then
+        gathered as any read is, and kept from the forward to the backward pass."""
         if self.zero < 3:
             return
         for layer in compat.model_layers(model):
