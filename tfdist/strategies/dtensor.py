@@ -112,8 +112,16 @@ def _made_on_mesh(initial_value, layout, dtype):
     def make():
         return dtensor.relayout(tf.convert_to_tensor(initial_value(), dtype=dtype), layout)
 
-    with dtensor.default_mesh(layout.mesh):
-        return make()
+    # One traced function per variable, by design: TensorFlow's warning that
+    # "5 out of the last 5 calls ... triggered tf.function retracing" is noise here.
+    tf_logger = tf.get_logger()
+    level = tf_logger.level
+    tf_logger.setLevel("ERROR")
+    try:
+        with dtensor.default_mesh(layout.mesh):
+            return make()
+    finally:
+        tf_logger.setLevel(level)
 
 
 def _zero_after(tensors):
