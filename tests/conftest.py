@@ -98,7 +98,7 @@ def wait_for_horovod_build() -> None:
 # after enough other work to cover that. test_slurm.py (about a minute of
 # Slurm jobs; alphabetically it would come last) also wants Horovod built.
 FIRST = ["test_multi_worker.py", "test_parameter_server.py", "test_reliability.py",
-         "test_dtensor.py", "test_zero.py", "test_horovod.py", "test_netns.py", "test_demo.py",
+         "test_fits.py", "test_dtensor.py", "test_zero.py", "test_horovod.py", "test_netns.py", "test_demo.py",
          "test_cli.py", "test_slurm.py", "test_exposure.py"]
 
 

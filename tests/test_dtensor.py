@@ -114,12 +114,12 @@ def _assert_matches(result, reference, initial):
     assert result.summary["loss"] == pytest.approx(reference.summary["loss"], rel=1e-5)
 
 
-# Every mesh for the mlp in `make unit`; the transformer's meshes are `slow`
-# (its traces cost ~40 s there; `make test` runs them).
+# Every mesh shape for the mlp in `make unit`; the transformer on 2x2 (`slow`,
+# ~16 s; `make test` runs it), where both axes' collectives run at once (its
+# 1x4 and 4x1 meshes matched too, and were left out for the suite's time).
 @pytest.mark.parametrize("case,mesh", [
     *[("mlp", m) for m in ("batch:1,model:4", "batch:2,model:2", "batch:4,model:1")],
-    *[pytest.param("transformer", m, marks=pytest.mark.slow)
-      for m in ("batch:1,model:4", "batch:2,model:2", "batch:4,model:1")]])
+    pytest.param("transformer", "batch:2,model:2", marks=pytest.mark.slow)])
 def test_dtensor_matches_one_device(references, case, mesh):
     initial, reference = references[case]
     model_config = CASES[case][0]
