@@ -100,8 +100,9 @@ _ZERO_STAGE = flags.DEFINE_enum(
     "dtensor: what is also split over the mesh's batch axis (ZeRO). 0: nothing (each "
     "variable, gradient and optimizer slot is split by its layout rule only); 1: "
     "optimizer slots; 2: slots and gradients (reduce-scattered out of the backward "
-    "pass); 3: slots, gradients and the variables themselves, each gathered just "
-    "before use (FSDP). Per-device bytes of parameters + gradients + optimizer state "
+    "pass); 3: slots, gradients and the variables themselves, each layer's gathered "
+    "just before it computes and again in the backward pass (FSDP; one more forward "
+    "pass per step). Per-device bytes of parameters + gradients + optimizer state "
     "fall towards 1/(batch x model) of one device's.")
 _SHARD_OPTIMIZER_STATE = flags.DEFINE_boolean(
     "shard_optimizer_state", _STRATEGY_DEFAULTS.shard_optimizer_state,
