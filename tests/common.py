@@ -105,3 +105,59 @@ def token_dataset_fn_for(spec):
 
 
 token_dataset_fn = token_dataset_fn_for(TOKEN_SPEC)
+
+
+# `tfdist-train` several times in ONE fresh process (each start of TensorFlow
+# costs seconds of CPU): for CLI cases that fail after start-up, where what is
+# tested is the exit status and the stderr of each invocation. Each case runs
+# the console script's entry point (`tfdist.app.run`) with its own argv and
+# with every flag reset to its default, its stdout and stderr (file
+# descriptors 1 and 2: TensorFlow's C++ lines too) captured on their own.
+# Like every `tfdist-train` process, the driver sets up the CLI's default
+# --virtual_devices before the first case.
+_CLI_CASES_DRIVER = r"""
+import json, os, sys, tempfile, traceback
+from absl import flags
+from tfdist import app, cluster, flags as tfdist_flags
+cluster.configure_virtual_cpus(tfdist_flags.CLI_VIRTUAL_DEVICES)
+results = []
+real_out, real_err = os.dup(1), os.dup(2)
+for argv in json.loads(sys.argv[1]):
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        flags.FLAGS.unparse_flags()
+        sys.argv = ["tfdist-train", *argv]
+        try:
+            app.run()
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(real_out, 1), os.dup2(real_err, 2)
+        out.seek(0), err.seek(0)
+        results.append({"returncode": code, "stdout": out.read(), "stderr": err.read()})
+print("CASES " + json.dumps(results), flush=True)
+"""
+
+
+def run_cli_cases(arg_lists, *, timeout=300):
+    """`tfdist-train ARGS` for each of `arg_lists`, one after another in one
+    fresh process; return a CompletedProcess-like result for each, in order."""
+    import json
+    import os
+    import subprocess
+
+    from conftest import BIN, REPO
+
+    driver = subprocess.run([os.path.join(BIN, "python"), "-c", _CLI_CASES_DRIVER,
+                             json.dumps([list(map(str, args)) for args in arg_lists])],
+                            cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                            capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in driver.stdout.splitlines() if line.startswith("CASES ")]
+    assert driver.returncode == 0 and lines, driver.stderr[-3000:]
+    return [subprocess.CompletedProcess(args, r["returncode"], r["stdout"], r["stderr"])
+            for args, r in zip(arg_lists, json.loads(lines[-1][len("CASES "):]))]

@@ -13,7 +13,8 @@ import tensorflow as tf
 from tfdist import checkpointing, cluster
 from tfdist.errors import UsageError
 
-from conftest import BIN, REPO, run_cli, run_clis
+from common import run_cli_cases
+from conftest import BIN, REPO, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -45,11 +46,9 @@ def test_flag_errors_exit_2_before_tensorflow(args, message):
     assert lines[0].startswith("tfdist-train: error: ") and message in lines[0], lines[0]
 
 
-def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
-    """Errors that need the engine or the data: each before any training step."""
-    a_file = tmp_path / "a_file"
-    a_file.write_text("not a directory")
-    cases = [
+def _after_start_up_cases(a_file, data_dir):
+    """(args, message) of errors that need the engine or the data."""
+    return [
         (["--dataset=no_such_dataset", f"--data_dir={data_dir}"],
          "--dataset='no_such_dataset' is not a known TFDS dataset; valid: the bundled "
          "tfdist_shapes, tfdist_tokens"),
@@ -75,14 +74,53 @@ def test_errors_found_after_start_up_exit_2(tmp_path, data_dir):
          "'attn/(query|key|value)/kernel$'): dimension 1 of size 3 is not divisible by mesh "
          "axis model=2"),
     ]
-    results = run_clis([QUICK + args for args, _ in cases], timeout=180)
-    for (args, message), result in zip(cases, results):
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory, data_dir):
+    """The errors found after start-up, one after another in one `tfdist-train`
+    process (common.run_cli_cases: each case has its own argv, exit status and
+    stderr, and flags reset to their defaults; one TensorFlow start instead of
+    one per case), and beside it two clean runs, each a real process of its
+    own."""
+    root = tmp_path_factory.mktemp("cli_runs")
+    a_file = root / "a_file"
+    a_file.write_text("not a directory")
+    errors = _after_start_up_cases(a_file, data_dir)
+    clean = {
+        "summary": QUICK + [f"--data_dir={data_dir}", f"--model_dir={root / 'summary_run'}",
+                            "--strategy=mirrored"],
+        "loss_and_metrics": [*QUICK, "--strategy=default", f"--data_dir={data_dir}",
+                             "--loss=categorical_crossentropy", "--label_smoothing=0.1",
+                             "--metrics=accuracy,top5_accuracy,crossentropy"],
+    }
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    procs = {name: subprocess.Popen([os.path.join(BIN, "tfdist-train"), *args], cwd=REPO,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+             for name, args in clean.items()}
+    try:
+        results = run_cli_cases([QUICK + args for args, _ in errors], timeout=240)
+        runs = {}
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=240)
+            runs[name] = subprocess.CompletedProcess(clean[name], proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return dict(root=root, a_file=a_file, errors=list(zip(errors, results)), **runs)
+
+
+def test_errors_found_after_start_up_exit_2(cli_runs):
+    """Errors that need the engine or the data: each before any training step."""
+    assert len(cli_runs["errors"]) == 9
+    for (args, message), result in cli_runs["errors"]:
         assert result.returncode == 2, (args, result.stderr[-2000:])
         error_lines = [l for l in result.stderr.splitlines() if "error:" in l]
         assert len(error_lines) == 1 and message in error_lines[0], (args, result.stderr[-2000:])
         assert "Traceback" not in result.stderr
         assert "step 1/" not in result.stderr  # nothing trained
-    assert a_file.read_text() == "not a directory"  # nothing on disk was touched
+    assert cli_runs["a_file"].read_text() == "not a directory"  # nothing on disk was touched
 
 
 def test_virtual_devices_after_runtime_start_is_a_usage_error():
@@ -94,9 +132,8 @@ def test_virtual_devices_after_runtime_start_is_a_usage_error():
     assert len(cluster.local_devices(2)) == 2  # fewer: the first ones
 
 
-def test_run_prints_and_writes_summary(tmp_path, data_dir):
-    result = run_cli(QUICK + [f"--data_dir={data_dir}", f"--model_dir={tmp_path}",
-                              "--strategy=mirrored"], timeout=180)
+def test_run_prints_and_writes_summary(cli_runs):
+    result = cli_runs["summary"]
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("strategy", "replicas", "global_batch_size", "steps", "loss", "accuracy",
@@ -104,7 +141,7 @@ def test_run_prints_and_writes_summary(tmp_path, data_dir):
         assert key in summary
     assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
     assert summary["steps"] == 2 and 0 <= summary["accuracy"] <= 1
-    with open(tmp_path / "summary.json") as f:
+    with open(cli_runs["root"] / "summary_run" / "summary.json") as f:
         assert json.load(f) == summary
 
 
@@ -118,7 +155,12 @@ def test_ctrl_c_keeps_last_checkpoint(tmp_path, data_dir):
     try:
         deadline = time.monotonic() + 120
         while len(checkpointing.saved_steps(str(tmp_path))) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                alive = proc.poll() is None
+                proc.kill()   # before reading: a live process's stderr has no end
+                stderr = proc.communicate()[1]
+                pytest.fail(f"no 2 checkpoints {'in 120 s' if alive else 'before it exited'}: "
+                            f"{stderr[-2000:]}")
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
@@ -131,10 +173,8 @@ def test_ctrl_c_keeps_last_checkpoint(tmp_path, data_dir):
     assert any("step" in name for name in reader.get_variable_to_shape_map())
 
 
-def test_loss_and_metrics_flags(data_dir):
-    result = run_cli([*QUICK, "--strategy=default", f"--data_dir={data_dir}",
-                      "--loss=categorical_crossentropy", "--label_smoothing=0.1",
-                      "--metrics=accuracy,top5_accuracy,crossentropy"], timeout=180)
+def test_loss_and_metrics_flags(cli_runs):
+    result = cli_runs["loss_and_metrics"]
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["loss_function"] == "categorical_crossentropy"

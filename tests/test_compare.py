@@ -146,20 +146,8 @@ def test_output_dir_of_someone_else_is_never_cleared(tmp_path):
 
 # -- the command ----------------------------------------------------------------
 def _run_compare(args, timeout):
-    """Run tfdist-compare; past `timeout` SIGTERM it (it then stops its training
-    run, which lives in its own session) and fail."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.Popen([COMPARE, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, err = proc.communicate(timeout=30)
-        pytest.fail(f"tfdist-compare ran over {timeout}s: {err[-2000:]}")
-    finally:
-        proc.kill()
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    """Run tfdist-compare; past `timeout` SIGTERM it and fail."""
+    return _finish_compare(args, _start_compare(args), timeout)
 
 
 @pytest.mark.integration
@@ -206,16 +194,63 @@ def test_failed_run_exits_2_naming_the_run(tmp_path):
     assert "run mirrored" not in result.stderr  # stopped at the first failure
 
 
+def _start_compare(args):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.Popen([COMPARE, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish_compare(args, proc, timeout):
+    """Wait for a compare started by `_start_compare`; past `timeout` SIGTERM it
+    (it then stops its training run, which lives in its own session) and fail."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"tfdist-compare ran over {timeout}s: {err[-2000:]}")
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def real_compares(tmp_path_factory, data_dir):
+    """The two comparisons of real runs, started together (each runs its two
+    trainings one after the other, mostly TensorFlow start-up): {name: (args,
+    process, output_dir)}; each test waits for its own. Each training run may
+    take up to 150 s (--timeout_s; it shares the cores with the other comparison)."""
+    root = tmp_path_factory.mktemp("compares")
+    runs = {
+        "mirrored": ["--strategy=mirrored", "--timeout_s=150", "--", *SMALL, "--train_steps=30",
+                     f"--data_dir={data_dir}"],
+        "broken": ["--strategy=mirrored", "--timeout_s=150", "--grad_agreement_every=0",
+                   "--distributed_flags=--learning_rate=0.03", "--", *SMALL,
+                   "--train_steps=15", f"--data_dir={data_dir}"],
+    }
+    started = {}
+    for name, args in runs.items():
+        args = [f"--output_dir={root / name}", *args]
+        started[name] = (args, _start_compare(args), root / name)
+    yield started
+    for _, proc, _ in started.values():   # not waited for (a test deselected or failed):
+        if proc.poll() is None:            # SIGTERM stops its training run too
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            finally:
+                proc.kill()
+
+
 def _max_gap(report):
     return float(re.search(r"largest smoothed relative loss gap (\S+)", report).group(1))
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(240)
-def test_mirrored_matches_default(tmp_path, data_dir):
-    out = tmp_path / "cmp"
-    result = _run_compare([f"--output_dir={out}", "--strategy=mirrored", "--timeout_s=90", "--",
-                           *SMALL, "--train_steps=30", f"--data_dir={data_dir}"], timeout=220)
+@pytest.mark.timeout(400)   # both comparisons run meanwhile (the fixture)
+def test_mirrored_matches_default(real_compares):
+    args, proc, out = real_compares["mirrored"]
+    result = _finish_compare(args, proc, timeout=360)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "run default: finished" in result.stderr and "run mirrored: finished" in result.stderr
     report = (out / "report.md").read_text()
@@ -237,15 +272,12 @@ def test_mirrored_matches_default(tmp_path, data_dir):
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(240)
-def test_broken_distributed_side_diverges(tmp_path, data_dir):
+@pytest.mark.timeout(400)
+def test_broken_distributed_side_diverges(real_compares):
     """10x the learning rate on the distributed side only: its Adam steps blow
     the loss up (to ~50 by step 3) while the default run stays near 2.5."""
-    out = tmp_path / "cmp"
-    result = _run_compare([f"--output_dir={out}", "--strategy=mirrored", "--timeout_s=90",
-                           "--grad_agreement_every=0", "--distributed_flags=--learning_rate=0.03",
-                           "--", *SMALL, "--train_steps=15", f"--data_dir={data_dir}"],
-                          timeout=220)
+    args, proc, out = real_compares["broken"]
+    result = _finish_compare(args, proc, timeout=360)
     assert result.returncode == 1, result.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "DIVERGED: beyond tolerance" in report and _max_gap(report) > 0.1

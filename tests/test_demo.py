@@ -30,10 +30,13 @@ def test_flagfile_values_and_overrides():
 
 @pytest.mark.slow
 def test_demo_reaches_90_percent_on_a_shortened_run(data_dir):
-    config = _demo_config("--train_steps=100", f"--data_dir={data_dir}")
+    """80 steps at the demo's constant learning rate: test accuracy measured
+    0.956 at step 60, 0.985 at 80, 0.997 at 100 (AVX-512 EPYC); 80 keeps a
+    wide margin over 0.90 past the steep part of the curve (0.48 at step 40)."""
+    config = _demo_config("--train_steps=80", f"--data_dir={data_dir}")
     summary = tfdist.train(config).summary
     assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
-    assert summary["steps"] == 100
+    assert summary["steps"] == 80
     assert summary["accuracy"] >= 0.90, summary
 
 
