@@ -128,7 +128,10 @@ def early_runs(background, tmp_path_factory, data_dir):
 # horovodrun holds the runs that need the first's results (a resume from its
 # checkpoint, in fresh processes) or that end the ranks (--on_nonfinite=stop).
 
-SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4)
+# The exact-resume runs (the input position, not the step's arithmetic; all
+# three at the same setting): no XLA compile per run.
+SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4,
+                jit_compile="off")
 TASK_CASES = ["multilabel", "tokens_ignore_class"]
 NONFINITE_MODES = ["stop", "skip", "rollback"]
 _LINE = re.compile(r"\[(\d+)\]<(stdout|stderr)>:(.*)")
@@ -201,7 +204,7 @@ def mw_initial():
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, mw_initial, early_runs):
     """The runs that need nothing else, in one horovodrun (beside early_runs)."""
-    from test_tasks import CASES
+    from test_tasks import CASES, TASK_TRAIN
     tmp_path = tmp_path_factory.mktemp("hvd_first")
     jobs = {
         "plain": (mw_initial, 10, {}),
@@ -209,7 +212,8 @@ def first_run(tmp_path_factory, mw_initial, early_runs):
         "accumulating": (mw_initial, 10, {"accum_steps": 4}),
         "every_feature": (mw_initial, 10, {"accum_steps": 2, "grad_compression": "fp16",
                                            "precision": "mixed_bfloat16"}),
-        **{f"task_{case}": (CASES[case][0](None).get_weights(), 10, {"task": case})
+        **{f"task_{case}": (CASES[case][0](None).get_weights(), 10,
+                            {"task": case, **TASK_TRAIN})
            for case in TASK_CASES},
         **{f"nan_{mode}": _nan_job(mw_initial, tmp_path / f"nan_{mode}", mode)
            for mode in ("skip", "rollback")},
@@ -420,6 +424,13 @@ def test_horovod_checkpoint_restores_under_default_and_mirrored(background, earl
     np.testing.assert_allclose(predictions[0], predictions[1], **PREDICTION_TOLERANCE)
 
 
+# A dead or preempted rank is about processes and checkpoints, not the step's
+# arithmetic: no XLA compile there (seconds of CPU a rank). The XLA-compiled
+# step runs under horovodrun in the mw_worker.py runs (--jit_compile=auto),
+# the checkpoint test's and the elastic test's.
+NO_XLA = ["--jit_compile=off"]
+
+
 def _training_pids():
     """{rank: pid} of the Python processes running tfdist-train as a Horovod rank."""
     found = {}
@@ -456,7 +467,7 @@ def _rank_pid(rank):
 def test_dead_rank_ends_the_job(tmp_path, data_dir, background):
     background.finish_all()   # no other rank of this module's runs may be about
     args = ["--strategy=horovod", "--model=mlp", "--train_steps=1000000", "--steps_per_loop=10",
-            "--global_batch_size=32", f"--data_dir={data_dir}", "--log_every=10"]
+            "--global_batch_size=32", f"--data_dir={data_dir}", "--log_every=10", *NO_XLA]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}
     proc = subprocess.Popen([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -487,7 +498,7 @@ def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_pat
     args = ["--strategy=horovod", "--model=mlp", "--model_width=32", "--global_batch_size=32",
             "--steps_per_loop=10", "--checkpoint_every=20", "--keep_checkpoints=100",
             "--train_steps=100", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
-            "--preemption_grace_s=20"]
+            "--preemption_grace_s=20", *NO_XLA]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

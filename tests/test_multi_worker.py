@@ -62,7 +62,10 @@ def assert_match_single_device(workers, initial, steps=10, single=None):
 # turn (tests/mw_worker.py with a list), so the cluster's TensorFlow start-up
 # (seconds per process) is paid once, not once per run. Each run builds its
 # own strategy, model and optimizer from scratch, as in a fresh process.
-SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4)
+# The exact-resume runs (the input position, not the step's arithmetic; all
+# three at the same setting): no XLA compile per run.
+SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4,
+                jit_compile="off")
 CLUSTER_RUNS = {
     "plain": {},
     # 4 micro-batches per update on each of 2 workers == one step on the global batch.
@@ -161,7 +164,11 @@ def _long_run(model_dir, data_dir, extra=()):
     return [TRAIN, "--strategy=multi_worker", "--model=mlp", "--model_width=32",
             "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=20",
             "--keep_checkpoints=100", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
-            "--collective_timeout_s=20", *extra]
+            "--collective_timeout_s=20",
+            # A kill and a restart are about processes and checkpoints, not
+            # the step's arithmetic: no XLA compile (seconds of CPU a process;
+            # the equivalence runs above keep --jit_compile=auto).
+            "--jit_compile=off", *extra]
 
 
 def _wait_for_checkpoint(model_dir, proc, deadline_s=150):

@@ -35,11 +35,12 @@ from conftest import BIN, REPO
 TRAIN = os.path.join(BIN, "tfdist-train")
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 PORT = 23456                # inside the namespaces: nothing else listens there
-# The cut lands at the first checkpoint (step 20); the 180 steps and 9
+# The cut lands at the first checkpoint (step 40); the 160 steps and 4
 # checkpoints after it (each save ~0.3-1.5 s) keep the workers mid-run, and
 # the resumed run only has those to make (it was 1000 steps, 49 saves: most
-# of the module's time).
+# of the module's time; then 200 steps with a save every 20, 9 after the cut).
 STEPS = 200
+CHECKPOINT_EVERY = 40
 COLLECTIVE_TIMEOUT_S = 15
 # Time from the cut to a worker's exit: TensorFlow's detection, the fault's
 # reachability probe (<= 2 s) and the exit. Measured 5.6-9.7 s on a loaded
@@ -96,10 +97,12 @@ class Workers:
         return ["ip", "netns", "exec", self.link.namespaces[index], TRAIN,
                 "--strategy=multi_worker", f"--worker_hosts={hosts}", f"--task_index={index}",
                 "--model=mlp", "--model_width=16", "--model_depth=1",
-                "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=20",
+                "--global_batch_size=32", "--steps_per_loop=10",
+                f"--checkpoint_every={CHECKPOINT_EVERY}",
                 "--keep_checkpoints=100", f"--train_steps={STEPS}",
                 f"--data_dir={self.data_dir}", f"--model_dir={self.model_dir}",
-                f"--collective_timeout_s={COLLECTIVE_TIMEOUT_S}"]
+                f"--collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+                "--jit_compile=off"]   # a cut link, not the step's arithmetic: no XLA compile
 
     def start(self, run):
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
@@ -237,4 +240,4 @@ def test_relinked_workers_resume_and_finish_exactly(cut_run, link):
         assert later[:len(earlier)] == earlier, seen
     final = seen[-1]
     assert final == sorted(set(final)) and final[-1] == STEPS, final
-    assert final == list(range(20, STEPS + 1, 20)), final
+    assert final == list(range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)), final

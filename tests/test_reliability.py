@@ -23,6 +23,12 @@ TRAIN = os.path.join(BIN, "tfdist-train")
 LAUNCH = os.path.join(BIN, "tfdist-launch")
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 GRACE_S = 20
+# Preemption, restarts and a full disk are about the loop's step and
+# checkpoint boundaries, not the step's arithmetic: no XLA compile (seconds
+# of CPU per process; 2 cores shared by ~10 processes here). The XLA-compiled
+# step runs multi-process in the equivalence tests (tests/mw_worker.py runs at
+# --jit_compile=auto) and in the CLI tests.
+NO_XLA = ["--jit_compile=off"]
 
 
 def _args(strategy, model_dir, data_dir, steps=300):
@@ -30,7 +36,7 @@ def _args(strategy, model_dir, data_dir, steps=300):
             "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=50",
             "--keep_checkpoints=100", f"--train_steps={steps}", f"--data_dir={data_dir}",
             f"--model_dir={model_dir}", f"--preemption_grace_s={GRACE_S}",
-            "--collective_timeout_s=30"]
+            "--collective_timeout_s=30", *NO_XLA]
 
 
 def _start(command):
@@ -172,7 +178,7 @@ def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     _, probe_dir, _, _ = preempted_default
     args = ["--strategy=default", "--model=mlp", "--model_width=32",
             "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=10",
-            "--keep_checkpoints=100", f"--data_dir={data_dir}"]
+            "--keep_checkpoints=100", f"--data_dir={data_dir}", *NO_XLA]
     # A checkpoint: the model's files and the input position saved beside them.
     first = checkpointing.saved_steps(probe_dir)[0]
     size = sum(os.path.getsize(p) for p in
@@ -213,7 +219,7 @@ def test_worker_killed_by_the_oom_killer_is_named_with_what_to_change(tmp_path, 
     try:
         train = " ".join([TRAIN, "--strategy=default", "--model=mlp", "--model_width=4096",
                           "--model_depth=2", "--global_batch_size=12000", "--train_steps=3",
-                          "--steps_per_loop=1", "--jit_compile=off", f"--data_dir={data_dir}"])
+                          "--steps_per_loop=1", *NO_XLA, f"--data_dir={data_dir}"])
         result = subprocess.run(
             [LAUNCH, "--workers=1", "--", "sh", "-c",
              f"echo $$ > {cgroup}/cgroup.procs && exec {train}"],

@@ -292,6 +292,14 @@ def run_case(train, config, case, initial):
     return train(config, model_fn=model_fn, dataset_fn=data)
 
 
+# The multi-process task runs and their one-device reference: XLA off, as in
+# _config (the tasks are about Keras losses, metrics and their reductions, not
+# XLA's fusions; the plain multi_worker and horovod equivalence runs keep
+# --jit_compile=auto), which also spares each process and the reference an
+# XLA compile.
+TASK_TRAIN = {"jit_compile": "off"}
+
+
 def run_case_workers(launcher_args, tmp_path, engine, cases):
     """CASES[case] for each of `cases` on 2 processes under `engine` (one
     cluster makes them in turn: tests/mw_worker.py with a list, run k in
@@ -300,7 +308,7 @@ def run_case_workers(launcher_args, tmp_path, engine, cases):
     for k, case in enumerate(cases):
         (tmp_path / str(k)).mkdir()
         np.savez(tmp_path / str(k) / "initial.npz", *CASES[case][0](None).get_weights())
-        runs.append({"task": case})
+        runs.append({"task": case, **TASK_TRAIN})
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run([*launcher_args, sys.executable, "tests/mw_worker.py", str(tmp_path),
                              engine, "10", json.dumps(runs)], cwd=REPO, env=env,
@@ -317,7 +325,7 @@ def check_case_workers(run_dir, case):
     workers = [list(np.load(run_dir / f"weights-{i}.npz").values()) for i in (0, 1)]
     for a, b in zip(*workers):
         np.testing.assert_array_equal(a, b)
-    single = run_case(tfdist.train, mw_config("default", 10), case, initial)
+    single = run_case(tfdist.train, mw_config("default", 10, **TASK_TRAIN), case, initial)
     assert_weights_close(workers[0], single.model.get_weights(), rtol=1e-4, atol=1e-6)
     chief = json.loads((run_dir / "summary-0.json").read_text())
     for key in ["loss", "test_loss", *single.summary["metrics"]]:
