@@ -456,11 +456,13 @@ def test_dtensor_fsdp_lowering(monkeypatch):
     flat, square = {"batch": 4, "model": 1}, {"batch": 2, "model": 2}
 
     def fresh(**env):
+        # A copy of the environment as a plain dict: the switches must not reach
+        # this process's real environment, which TensorFlow reads at its first
+        # DTensor compile (a later test in this process would then compile its
+        # 2-D meshes with the collective gather: seen, wrong weights).
         monkeypatch.setattr(compat, "_fsdp_env_latched", {})
-        for name in (gather, combine):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
+        environ = {k: v for k, v in os.environ.items() if k not in (gather, combine)}
+        monkeypatch.setattr(os, "environ", {**environ, **env})
 
     fresh()
     compat.dtensor_fsdp_lowering(flat, 3)
