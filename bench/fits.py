@@ -27,7 +27,6 @@ procedure at a scale the suite affords.
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -43,10 +42,12 @@ BIN = os.path.dirname(sys.executable)
 
 
 def parse_size(text: str) -> int:
-    match = re.fullmatch(r"(\d+)([KMG]?)", text)
-    if not match:
-        raise SystemExit(f"--cap={text} is not a size: use e.g. 3328M or 3G")
-    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2) or " ")
+    """--cap in bytes, as `tfdist-launch --worker_memory` reads it."""
+    from tfdist_launch import UsageError, parse_memory
+    try:
+        return parse_memory(text)
+    except UsageError as error:
+        raise SystemExit(str(error)) from None
 
 
 def launch(work, name, workers, cap, mesh, stage, width, depth, steps, timeout, snapshot=None):
