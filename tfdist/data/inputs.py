@@ -57,14 +57,22 @@ def check_structure(element_spec) -> None:
                          "(x, y, sample_weight) examples (x may be a dict of features)")
 
 
+def plain(fn):
+    """`fn` traced without AutoGraph. tfdist's own graph functions have no
+    tensor-dependent Python control flow (loops are `tf.while_loop`s), as in
+    Keras 3's own `fit`; converting them cost about a second of start-up per
+    process (AutoGraph parses their source)."""
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
 def with_weights(ds: tf.data.Dataset, *, batched: bool = False) -> tf.data.Dataset:
     """(x, y, weight) from (x, y) (weight 1 per example) or (x, y, weight) elements."""
     check_structure(ds.element_spec)
     if len(ds.element_spec) == 3:
-        return ds.map(lambda x, y, w: (x, y, tf.cast(w, tf.float32)))
+        return ds.map(plain(lambda x, y, w: (x, y, tf.cast(w, tf.float32))))
     if batched:
-        return ds.map(lambda x, y: (x, y, tf.ones(tf.shape(tf.nest.flatten(y)[0])[:1])))
-    return ds.map(lambda x, y: (x, y, tf.constant(1.0)))
+        return ds.map(plain(lambda x, y: (x, y, tf.ones(tf.shape(tf.nest.flatten(y)[0])[:1]))))
+    return ds.map(plain(lambda x, y: (x, y, tf.constant(1.0))))
 
 
 def train_dataset_fn(inputs: Inputs, *, global_batch_size: int, seed: int,
@@ -98,7 +106,7 @@ def eval_dataset_fn(inputs: Inputs, *, global_batch_size: int, steps: int,
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         batch = context.get_per_replica_batch_size(global_batch_size)
         real = with_weights(inputs.examples("test", context)).map(
-            lambda x, y, w: (x, y, w, tf.constant(1.0)))
+            plain(lambda x, y, w: (x, y, w, tf.constant(1.0))))
         padding = tf.data.Dataset.from_tensors(tf.nest.map_structure(
             lambda s: tf.zeros(s.shape, s.dtype), real.element_spec))
         ds = real.concatenate(padding.repeat()).batch(batch, drop_remainder=True)

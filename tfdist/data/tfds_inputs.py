@@ -36,7 +36,7 @@ from tfdist.config import DataConfig
 from tfdist.data import builders
 from tfdist.data import text as text_lib
 from tfdist.data.builders.offline import OfflineBuilder
-from tfdist.data.inputs import Inputs
+from tfdist.data.inputs import Inputs, plain
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, first_line
 
@@ -285,7 +285,7 @@ class TfdsInputs(Inputs):
 
         def train_texts():  # in file order, so every worker adapts the same
             return self.builder.as_dataset(split="train", as_supervised=True,
-                                           shuffle_files=False).map(lambda x, y: x)
+                                           shuffle_files=False).map(plain(lambda x, y: x))
 
         cache = text_lib.vocabulary_path(model_dir, config.dataset, config.vocab_size) \
             if model_dir else None
@@ -337,7 +337,7 @@ class TfdsInputs(Inputs):
             else self._split_name(split),
             as_supervised=True, shuffle_files=shuffle_seed is not None,
             read_config=read_config)
-        return ds.map(self._preprocess, num_parallel_calls=tf.data.AUTOTUNE)
+        return ds.map(plain(self._preprocess), num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def load(config: DataConfig, *, model_dir: Optional[str] = None) -> Inputs:

@@ -52,7 +52,7 @@ def forward_flops_by_op(model, input_signature=None) -> dict:
     """`forward_flops` split by op type, e.g. {"MatMul": ..., "Conv2D": ...}."""
     if input_signature is None:
         input_signature = _input_signature(model)
-    traced = tf.function(lambda inputs: model(inputs, training=False))
+    traced = tf.function(lambda inputs: model(inputs, training=False), autograph=False)
     graph = traced.get_concrete_function(input_signature).graph
     by_op: dict = {}
     _graph_flops(graph, (graph,), by_op)

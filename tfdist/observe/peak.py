@@ -143,7 +143,7 @@ def _measure_tflops(dtype: str) -> float:
     and oneDNN's kernel set-up). The size shrinks until one matmul is short."""
     import tensorflow as tf
 
-    @tf.function(jit_compile=False)
+    @tf.function(jit_compile=False, autograph=False)
     def matmul(a, b):
         return tf.matmul(a, b)
 

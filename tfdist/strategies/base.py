@@ -153,7 +153,7 @@ class Strategy(abc.ABC):
         returns host-readable tensors (`.numpy()`) in `fn`'s structure.
         """
         import tensorflow as tf
-        return tf.function(fn)
+        return tf.function(fn, autograph=False)
 
     def gradients(self, tape, target, variables) -> list:
         """Gradients of `target` for `variables` (unconnected ones are zeros);

@@ -525,8 +525,8 @@ class DTensorStrategy(Strategy, TensorSharding):
             per_replica = global_batch // replicas
             rows = tf.concat([tf.range(r * per_replica, (r + 1) * per_replica)
                               for r in local], axis=0)
-            dataset = dataset.map(
-                lambda *parts: tf.nest.map_structure(lambda t: tf.gather(t, rows), parts))
+            dataset = dataset.map(tf.autograph.experimental.do_not_convert(
+                lambda *parts: tf.nest.map_structure(lambda t: tf.gather(t, rows), parts)))
         options = tf.data.Options()
         # Round-robin per-replica batches between local replicas (not by file).
         options.experimental_distribute.auto_shard_policy = \
@@ -546,7 +546,7 @@ class DTensorStrategy(Strategy, TensorSharding):
 
     # -- stepping ----------------------------------------------------------
     def host_function(self, fn):
-        compiled = tf.function(fn)
+        compiled = tf.function(fn, autograph=False)
 
         @functools.wraps(fn)
         def call(*args):
@@ -639,7 +639,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         key = (id(model), repr(structure))
         forward = self._predict_fns.get(key)
         if forward is None:
-            @tf.function
+            @tf.function(autograph=False)
             def forward(*xs):
                 with self.compute_scope():
                     return model(tf.nest.pack_sequence_as(structure, list(xs)), training=False)
@@ -700,7 +700,7 @@ class DTensorStrategy(Strategy, TensorSharding):
               for i in inputs]
         variables = model.trainable_variables
 
-        @tf.function
+        @tf.function(autograph=False)
         def gradients(*xs):
             with self.compute_scope(), tf.GradientTape() as tape:
                 out = model(list(xs) if len(xs) > 1 else xs[0], training=True)

@@ -173,7 +173,7 @@ class MultiWorkerStrategy(TFDistributeStrategy):
         variables = list(variables)
         chief = self.is_chief
 
-        @tf.function
+        @tf.function(autograph=False)
         def broadcast():
             def replica_fn():
                 context = tf.distribute.get_replica_context()

@@ -288,7 +288,7 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
 
     def host_function(self, fn):
         """`fn` as one closure on a free worker; its result once it is done."""
-        compiled = tf.function(fn)
+        compiled = tf.function(fn, autograph=False)
 
         def call(*args):
             remote = self._coordinator.schedule(compiled, args=args)
@@ -316,7 +316,7 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             return result, before, after, worker
 
-        compiled = tf.function(closure)
+        compiled = tf.function(closure, autograph=False)
 
         def call(iterator, num_steps, *options):
             one = tf.constant(1, dtype=num_steps.dtype)

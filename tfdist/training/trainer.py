@@ -105,9 +105,11 @@ class Trainer:
         around the sum."""
         self._step_fn, self._gradients_fn = self._replica_train_step, self._local_gradients
         if self.jit_level == xla.STEP and self.strategy.xla_whole_step:
-            self._step_fn = tf.function(self._replica_train_step, jit_compile=True)
+            self._step_fn = tf.function(self._replica_train_step, jit_compile=True,
+                                        autograph=False)
         elif self.jit_level == xla.STEP:
-            self._gradients_fn = tf.function(self._local_gradients, jit_compile=True)
+            self._gradients_fn = tf.function(self._local_gradients, jit_compile=True,
+                                             autograph=False)
         if isinstance(self.strategy, ScheduledSteps):
             self._train_loop = self.strategy.scheduled_loop(self._train_loop_fn)
         else:
@@ -204,9 +206,9 @@ class Trainer:
             for i in range(1, k):
                 data, separate, counters = add(i, data, separate, counters)
         else:
-            for i in tf.range(1, k):
-                tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-                data, separate, counters = add(i, data, separate, counters)
+            _, data, separate, counters = tf.while_loop(
+                lambda i, *_: i < k, lambda i, *state: (i + 1, *add(i, *state)),
+                (tf.constant(1), data, separate, counters), parallel_iterations=1)
         return LocalGradients(data, separate, counters, first.provisional_divisor)
 
     def _reduce(self, tensors):
@@ -316,14 +318,16 @@ class Trainer:
         separately after the loop, also reports the gradient norm and, with
         `measure_agreement` (a Python bool), the agreement, which adds a
         collective: collectives cannot sit in a `tf.cond` in replica context."""
-        tally = nonfinite.tally(self.counters_size)
-        for i in tf.range(num_steps - 1):
-            # Steps are sequential by nature (each reads the last update); also
-            # say so to the while loop, or it may start the next step's
-            # collectives early, which engines that name them (Horovod) refuse.
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+        def step(i, tally):
             out = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator))
-            tally = nonfinite.tally_add(tally, out["counters"], i)
+            return i + 1, nonfinite.tally_add(tally, out["counters"], i)
+
+        # Steps are sequential by nature (each reads the last update); also say
+        # so to the while loop, or it may start the next step's collectives
+        # early, which engines that name them (Horovod) refuse.
+        _, tally = tf.while_loop(lambda i, _: i < num_steps - 1, step,
+                                 (tf.constant(0), nonfinite.tally(self.counters_size)),
+                                 parallel_iterations=1)
         last = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator), True,
                                  measure_agreement)
         tally = nonfinite.tally_add(tally, last["counters"], num_steps - 1)
@@ -340,8 +344,9 @@ class Trainer:
         return result
 
     def _eval_loop_fn(self, iterator, num_steps):
-        totals = tf.zeros([self.counters_size])
-        for _ in tf.range(num_steps):
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            totals += self.strategy.run(self._replica_eval_step, next(iterator))
-        return totals
+        def step(i, totals):
+            return i + 1, totals + self.strategy.run(self._replica_eval_step, next(iterator))
+
+        return tf.while_loop(lambda i, _: i < num_steps, step,
+                             (tf.constant(0), tf.zeros([self.counters_size])),
+                             parallel_iterations=1)[1]

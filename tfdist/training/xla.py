@@ -106,7 +106,7 @@ def fuse_optimizer_update(optimizer) -> None:
         key = id(variable)
         if key not in compiled:
             compiled[key] = (variable, tf.function(
-                lambda g, lr: plain(g, variable, lr), jit_compile=True))
+                lambda g, lr: plain(g, variable, lr), jit_compile=True, autograph=False))
         return compiled[key][1](gradient, tf.convert_to_tensor(learning_rate))
 
     inner.update_step = update_step
