@@ -336,6 +336,25 @@ def test_bad_tf_config_exits_2_without_waiting(tmp_path):
         assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
 
 
+def test_the_cluster_is_checked_before_tensorflow_without_touching_the_environment(
+        monkeypatch):
+    """tfdist-train's early check (tests above: a bad TF_CONFIG exits 2) reads
+    the same sources as the engine, but writes TF_CONFIG only into a copy."""
+    from tfdist import strategies
+    from tfdist.config import StrategyConfig
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    hosts = dict(worker_hosts=("localhost:2001", "localhost:2002"))
+    strategies.check_cluster(StrategyConfig(name="multi_worker", task_index=1, **hosts))
+    assert "TF_CONFIG" not in os.environ
+    with pytest.raises(UsageError, match="--task_index=2 is out of range"):
+        strategies.check_cluster(StrategyConfig(name="dtensor", task_index=2, **hosts))
+    with pytest.raises(UsageError, match="--strategy=multi_worker needs a cluster"):
+        strategies.check_cluster(StrategyConfig(name="multi_worker"))
+    strategies.check_cluster(StrategyConfig(name="dtensor"))   # one process: no cluster needed
+    with pytest.raises(UsageError, match="--strategy=parameter_server needs a cluster"):
+        strategies.check_cluster(StrategyConfig(name="parameter_server"))
+
+
 def test_worker_hosts_writes_tf_config():
     environ = {}
     spec = cluster.resolve(("localhost:2001", "localhost:2002"), 1, environ=environ)

@@ -92,6 +92,7 @@ def main(argv: list[str]) -> None:
         usage_exit(f"unexpected arguments {' '.join(argv[1:])!r}; flags must start with --")
     config = tfdist_flags.run_config()
     strategies.check_name(config.strategy.name)
+    strategies.check_cluster(config.strategy)
     models.check_name(config.model.name)
     from tfdist import api  # TensorFlow loads here, after the flags are known good
     if tfdist_flags.print_layouts():

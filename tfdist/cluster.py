@@ -309,3 +309,29 @@ def resolve_ps(worker_hosts=(), ps_hosts=(), task_type: str = "worker",
             "--task_type and --task_index, or start one locally with "
             "`tfdist-launch --workers=N --ps=P -- tfdist-train --strategy=parameter_server ...`")
     return parse_ps_tf_config(text)
+
+
+# -- checked before TensorFlow loads ------------------------------------------------
+def check_workers(config, environ, *, required: bool) -> None:
+    """Raise `UsageError` if `resolve` would (on a copy of `environ`), or if
+    `required` and there is no cluster (multi_worker's own message). Server
+    flags (--ps_hosts, --task_type) are left to the engine, which names them."""
+    if config.ps_hosts or config.task_type != "worker":
+        return
+    if resolve(config.worker_hosts, config.task_index, environ=environ) is None and required:
+        raise no_cluster(config.name)
+
+
+def no_cluster(strategy: str) -> UsageError:
+    """The error for an engine that needs a cluster and has none."""
+    return UsageError(
+        f"--strategy={strategy} needs a cluster: set TF_CONFIG, pass "
+        "--worker_hosts=h1:port,h2:port with --task_index=i, start one task per "
+        "worker with srun in a Slurm job (launch/slurm/tfdist.sbatch), or start "
+        "local workers with `tfdist-launch --workers=N -- ...`")
+
+
+def check_ps(config, environ) -> None:
+    """Raise `UsageError` if `resolve_ps` would (on a copy of `environ`)."""
+    resolve_ps(config.worker_hosts, config.ps_hosts, config.task_type, config.task_index,
+               environ=environ)

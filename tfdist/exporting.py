@@ -158,19 +158,20 @@ def export_checkpoint(model_dir: str, export_dir: str, *,
     Builders' runs rebuild from the run record; runs of your own `model_fn`
     pass it again (and the `spec` it was given, if it differs from the record's).
     """
-    import tensorflow as tf
-    from absl import logging
-
-    from tfdist import models
-    from tfdist.checkpointing import checkpoint_dir
-    from tfdist.training.precision import Precision
-
+    # The run record first: a wrong --model_dir is one line before TensorFlow loads.
     config, recorded_spec, builder = read_run_record(model_dir)
     spec = spec or recorded_spec
     if model_fn is None and not builder:
         raise UsageError(f"--model_dir={model_dir} was trained with a Python model_fn; "
                          "export it from Python: tfdist.export(model_dir, export_dir, "
                          "model_fn=...)")
+
+    import tensorflow as tf
+    from absl import logging
+
+    from tfdist import models
+    from tfdist.checkpointing import checkpoint_dir
+    from tfdist.training.precision import Precision
     path = checkpoint or tf.train.latest_checkpoint(checkpoint_dir(model_dir))
     if not path:
         raise UsageError(f"--model_dir={model_dir} has no checkpoint to export (train with "

@@ -98,11 +98,7 @@ class MultiWorkerStrategy(TFDistributeStrategy):
         # fails on CPU nodes and misnumbers tasks (tfdist/slurm.py).
         self._spec = cluster.resolve(config.worker_hosts, config.task_index)
         if self._spec is None:
-            raise UsageError(
-                "--strategy=multi_worker needs a cluster: set TF_CONFIG, pass "
-                "--worker_hosts=h1:port,h2:port with --task_index=i, start one task per "
-                "worker with srun in a Slurm job (launch/slurm/tfdist.sbatch), or start "
-                "local workers with `tfdist-launch --workers=N -- ...`")
+            raise cluster.no_cluster(self.name)
         options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=config.bytes_per_pack,
             timeout_seconds=config.collective_timeout_s,
