@@ -148,6 +148,7 @@ def test_run_prints_and_writes_summary(cli_runs):
 def test_ctrl_c_keeps_last_checkpoint(tmp_path, data_dir):
     args = ["--model=mlp", "--model_width=32", "--train_steps=100000", "--steps_per_loop=20",
             "--checkpoint_every=20", "--keep_checkpoints=2", "--strategy=default",
+            "--shuffle_buffer=1000",
             f"--data_dir={data_dir}", f"--model_dir={tmp_path}"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen([os.path.join(BIN, "tfdist-train"), *args], cwd=REPO, env=env,

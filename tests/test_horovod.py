@@ -498,7 +498,7 @@ def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_pat
     args = ["--strategy=horovod", "--model=mlp", "--model_width=32", "--global_batch_size=32",
             "--steps_per_loop=10", "--checkpoint_every=20", "--keep_checkpoints=100",
             "--train_steps=100", f"--data_dir={data_dir}", f"--model_dir={model_dir}",
-            "--preemption_grace_s=20", *NO_XLA]
+            "--preemption_grace_s=20", "--shuffle_buffer=1000", *NO_XLA]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen([*HOROVODRUN, TRAIN, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -587,7 +587,8 @@ def test_elastic_survives_a_killed_rank_and_takes_it_back(tmp_path, data_dir, ba
     args = ["--strategy=horovod", "--elastic", f"--elastic_commit_every={commit_every}",
             "--model=mlp", "--model_width=16", "--model_depth=1", "--global_batch_size=32",
             f"--train_steps={steps}", "--steps_per_loop=50", "--log_every=50",
-            "--checkpoint_every=200", f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
+            "--checkpoint_every=200", "--shuffle_buffer=1000", f"--data_dir={data_dir}",
+            f"--model_dir={model_dir}"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen([*_elastic_horovodrun(tmp_path, cooldown_s=1), TRAIN, *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

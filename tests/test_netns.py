@@ -99,7 +99,7 @@ class Workers:
                 "--model=mlp", "--model_width=16", "--model_depth=1",
                 "--global_batch_size=32", "--steps_per_loop=10",
                 f"--checkpoint_every={CHECKPOINT_EVERY}",
-                "--keep_checkpoints=100", f"--train_steps={STEPS}",
+                "--keep_checkpoints=100", f"--train_steps={STEPS}", "--shuffle_buffer=1000",
                 f"--data_dir={self.data_dir}", f"--model_dir={self.model_dir}",
                 f"--collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
                 "--jit_compile=off"]   # a cut link, not the step's arithmetic: no XLA compile
