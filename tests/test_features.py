@@ -94,7 +94,9 @@ def _reductions_in_one_step(config):
     batch = (tf.zeros((per_replica, 8, 8, 3)), tf.zeros((per_replica,), tf.int32),
              tf.ones((per_replica,)))
     before = adapter.reductions_traced
-    tf.function(lambda: adapter.run(trainer._replica_train_step, batch)).get_concrete_function()
+    # Traced as tfdist traces it: without AutoGraph.
+    tf.function(lambda: adapter.run(trainer._replica_train_step, batch),
+                autograph=False).get_concrete_function()
     return adapter, adapter.reductions_traced - before
 
 

@@ -181,7 +181,8 @@ def test_full_disk_mid_run_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     _, probe_dir, _, _ = preempted_default
     args = ["--strategy=default", "--model=mlp", "--model_width=32",
             "--global_batch_size=32", "--steps_per_loop=10", "--checkpoint_every=10",
-            "--keep_checkpoints=100", f"--data_dir={data_dir}", *NO_XLA]
+            "--keep_checkpoints=100", "--shuffle_buffer=1000", f"--data_dir={data_dir}",
+            *NO_XLA]
     # A checkpoint: the model's files and the input position saved beside them.
     first = checkpointing.saved_steps(probe_dir)[0]
     size = sum(os.path.getsize(p) for p in

@@ -220,6 +220,38 @@ def test_compiled_model_supplies_loss_and_metrics():
     assert result.summary["train_root_mean_squared_error"] > 0
 
 
+class _BranchesInPython(keras.Model):
+    """A model whose call branches on a tensor's value in Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        if tf.reduce_sum(x) > 0:      # needs AutoGraph, which neither tfdist nor fit uses
+            return self.dense(x)
+        return self.dense(-x)
+
+    def build(self, input_shape):     # without calling `call` symbolically
+        self.dense.build(input_shape)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 1)
+
+
+def _branching_model(spec):
+    model = _BranchesInPython()
+    model.build((None, FEATURES))
+    return model
+
+
+def test_python_control_flow_on_a_tensor_is_one_line_naming_the_cure():
+    with pytest.raises(tfdist.UsageError, match=r"^the model uses a tensor's value in Python "
+                       r"control flow .*write keras.ops.cond, tf.cond or tf.while_loop"):
+        tfdist.train(_config("default", steps=1), model_fn=_branching_model,
+                     dataset_fn=regression_fn, loss="mse", metrics=[])
+
+
 @pytest.mark.parametrize("strategy", ["default", "mirrored", "dtensor"])
 def test_dict_inputs_with_sample_weights_train(strategy):
     """(multi_worker and horovod: examples/custom_script.py, a dict-input model,

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 import keras
 import tensorflow as tf
 
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, first_line
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import ScheduledSteps, TensorSharding, capability
 from tfdist.training import nonfinite, xla
@@ -55,6 +55,20 @@ def _dense(grads) -> list:
 def _take(parts, i):
     """Micro-batch `i` of (x, y, weight) split into [k, ...] along the batch."""
     return tf.nest.map_structure(lambda t: t[i], parts)
+
+
+@contextlib.contextmanager
+def _traced_without_autograph():
+    """A model whose `call` branches on a tensor in Python is a `UsageError`:
+    tfdist traces without AutoGraph, as Keras 3's `fit` does (BUILD_NOTES)."""
+    try:
+        yield
+    except tf.errors.OperatorNotAllowedInGraphError as error:
+        raise UsageError(
+            f"the model uses a tensor's value in Python control flow ({first_line(error)}); "
+            "tfdist traces the step without AutoGraph, as Keras 3's fit does: write "
+            "keras.ops.cond, tf.cond or tf.while_loop instead of `if`/`for` on a tensor"
+        ) from None
 
 
 def total_steps(train_config, spec) -> int:
@@ -121,12 +135,14 @@ class Trainer:
         """`num_steps` steps from `iterator` (a `Strategy.input_iterator`).
         `measure_agreement` (a full extra pass and a small collective) also
         measures the per-replica gradient agreement at the last step."""
-        result = self._train_loop(iterator, tf.constant(num_steps), measure_agreement)
+        with _traced_without_autograph():
+            result = self._train_loop(iterator, tf.constant(num_steps), measure_agreement)
         return result if isinstance(result, LoopTotals) else LoopTotals.from_tensors(result)
 
     def evaluate_counters(self, iterator, num_steps: int):
         """Summed loss and metric counters over `num_steps` evaluation batches."""
-        return self._eval_loop(iterator, tf.constant(num_steps)).numpy()
+        with _traced_without_autograph():
+            return self._eval_loop(iterator, tf.constant(num_steps)).numpy()
 
     def results(self, counters) -> dict:
         """Loss and metrics from summed counters."""

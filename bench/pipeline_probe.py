@@ -1,0 +1,245 @@
+"""Probe (issue 22): can two pipeline stages, each a process on its own core,
+overlap their *backward* passes when one client drives them?
+
+    python bench/pipeline_probe.py [--modes graph,calls] [--microbatches 8]
+
+Two stage servers (`tf.distribute.Server`, one intra-op thread, pinned with
+taskset to cores 0 and 1) and a client that connects to them
+(`tf.config.experimental_connect_to_cluster`). The model is the one of
+../shared/probes/pipeline_processes.py: per stage three 1024x1024 dense layers
+(relu), global batch 512, a squared-output loss. Each mode times a whole
+training step's gradients (no optimizer update: the same in every mode) for
+M=1 (no pipelining) and M micro-batches, and prints the speed-up (ideal for
+S=2, M=8: 16/9 = 1.78x):
+
+- `graph`: the whole step in one `tf.function` (GPipe: all forwards, then all
+  backwards; a tape per stage and micro-batch, the boundary gradient passed
+  back with `output_gradients`): TensorFlow's dataflow executor on each task
+  decides what runs when. The shared probe measured 1.02x here.
+- `calls`: a schedule of small per-stage functions called from the client in
+  asynchronous eager mode: `forward0(x_i) -> h_i` on task 0,
+  `forward_backward1(h_i) -> dh_i` on task 1 (the last stage's forward and
+  backward in one call, its gradients accumulated in place), and
+  `backward0(x_i, dh_i)` on task 0 (recomputing stage 0's forward from x_i,
+  as GPipe does, so no activation is kept between calls). Each task runs its
+  calls in the order the client issued them, and a call waits only for its
+  inputs, so stage 1's work on micro-batch i overlaps stage 0's on i+1.
+  The order is 1F1B-like on task 0: forward0 of i+1 is issued before
+  backward0 of i.
+
+Each call's start and end on its task (wall time, from `tf.timestamp()` inside
+the function) give the per-stage timeline and the measured bubble fraction:
+1 - busy / (stages x makespan). Prints one line per mode and M.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+W, L, B = 1024, 3, 512
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def server(index: int, cluster: dict) -> None:
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name="worker", task_index=index,
+                         protocol="grpc").join()
+
+
+def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
+    import tensorflow as tf
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster), job_name="client")
+    devs = [f"/job:worker/replica:0/task:{s}/device:CPU:0" for s in range(2)]
+    ws = []
+    for s in range(2):
+        with tf.device(devs[s]):
+            ws.append([tf.Variable(tf.random.normal([W, W], stddev=0.02, seed=s * 10 + i))
+                       for i in range(L)])
+    grads = []
+    for s in range(2):
+        with tf.device(devs[s]):
+            grads.append([tf.Variable(tf.zeros([W, W])) for _ in range(L)])
+
+    def forward(s, x):
+        for w in ws[s]:
+            x = tf.nn.relu(x @ w)
+        return x
+
+    # -- graph: one traced step ------------------------------------------------
+    def make_graph(m):
+        @tf.function
+        def step(x):
+            with tf.device(devs[0]):
+                xs = tf.split(x, m)
+            acts, tapes0, tapes1 = [], [], []
+            for xb in xs:
+                with tf.device(devs[0]):
+                    with tf.GradientTape() as t0:
+                        h = forward(0, xb)
+                with tf.device(devs[1]):
+                    with tf.GradientTape() as t1:
+                        t1.watch(h)
+                        y = forward(1, h)
+                        loss = tf.reduce_mean(y * y) / m
+                acts.append(h), tapes0.append(t0), tapes1.append((t1, loss))
+            for i in range(m):
+                t1, loss = tapes1[i]
+                with tf.device(devs[1]):
+                    *g1, dh = t1.gradient(loss, ws[1] + [acts[i]])
+                    for acc, g in zip(grads[1], g1):
+                        acc.assign_add(g)
+                with tf.device(devs[0]):
+                    g0 = tapes0[i].gradient(acts[i], ws[0], output_gradients=dh)
+                    for acc, g in zip(grads[0], g0):
+                        acc.assign_add(g)
+            return tf.constant(0.0)
+        return step
+
+    # -- calls: per-stage functions, issued asynchronously ------------------------
+    @tf.function
+    def forward0(x):
+        start = tf.timestamp()
+        h = forward(0, x)
+        with tf.control_dependencies([h]):
+            end = tf.timestamp()
+        return h, tf.stack([start, end])
+
+    @tf.function
+    def forward_backward1(h, scale):
+        start = tf.timestamp()
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            y = forward(1, h)
+            loss = tf.reduce_mean(y * y) * scale
+        *g1, dh = tape.gradient(loss, ws[1] + [h])
+        updates = [acc.assign_add(g) for acc, g in zip(grads[1], g1)]
+        with tf.control_dependencies(updates + [dh]):
+            end = tf.timestamp()
+        return dh, tf.stack([start, end])
+
+    @tf.function
+    def backward0(x, dh):
+        start = tf.timestamp()
+        with tf.GradientTape() as tape:
+            h = forward(0, x)          # recomputed: nothing kept from forward0
+        g0 = tape.gradient(h, ws[0], output_gradients=dh)
+        updates = [acc.assign_add(g) for acc, g in zip(grads[0], g0)]
+        with tf.control_dependencies(updates):
+            end = tf.timestamp()
+        return tf.stack([start, end])
+
+    def run_calls(x, m):
+        with tf.device(devs[0]):
+            xs = tf.split(x, m)
+        scale = tf.constant(1.0 / m)
+        spans = []   # (stage, kind, micro-batch, [start, end] tensor)
+        hs, dhs = [None] * m, [None] * m
+        # 1F1B-like issue order on task 0: forward0(i+1) before backward0(i).
+        with tf.device(devs[0]):
+            hs[0], span = forward0(xs[0])
+        spans.append((0, "F", 0, span))
+        for i in range(m):
+            with tf.device(devs[1]):
+                dhs[i], span = forward_backward1(hs[i], scale)
+            spans.append((1, "FB", i, span))
+            if i + 1 < m:
+                with tf.device(devs[0]):
+                    hs[i + 1], span = forward0(xs[i + 1])
+                spans.append((0, "F", i + 1, span))
+            with tf.device(devs[0]):
+                span = backward0(xs[i], dhs[i])
+            spans.append((0, "B", i, span))
+        return spans
+
+    with tf.device(devs[0]):
+        x = tf.random.normal([B, W], seed=7)
+    results = {}
+    for mode in modes:
+        for m in (1, microbatches):
+            if mode == "graph":
+                step = make_graph(m)
+                step(x).numpy()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    out = step(x)
+                out.numpy()
+                seconds = (time.perf_counter() - start) / repeats
+                bubble = None
+            else:
+                tf.config.experimental.set_synchronous_execution(False)
+                run_calls(x, m)[-1][-1].numpy()      # trace and warm up
+                tf.experimental.async_wait()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    spans = run_calls(x, m)
+                tf.experimental.async_wait()
+                seconds = (time.perf_counter() - start) / repeats
+                tf.config.experimental.set_synchronous_execution(True)
+                timeline = [(s, k, i, *span.numpy().tolist()) for s, k, i, span in spans]
+                t0 = min(t[3] for t in timeline)
+                makespan = max(t[4] for t in timeline) - t0
+                busy = sum(t[4] - t[3] for t in timeline)
+                bubble = 1 - busy / (2 * makespan)
+                results[f"{mode} timeline M={m}"] = [(s, k, i, round(a - t0, 4), round(b - t0, 4))
+                                                     for s, k, i, a, b in timeline]
+            results[(mode, m)] = seconds
+            print(f"{mode:5s} M={m}: {seconds * 1e3:7.1f} ms/step"
+                  + (f", measured bubble {bubble:.2f} (GPipe formula "
+                     f"{(2 - 1) / (m + 2 - 1):.2f})" if bubble is not None else ""), flush=True)
+        print(f"{mode:5s} M={microbatches} vs M=1: "
+              f"{results[(mode, 1)] / results[(mode, microbatches)]:.2f}x "
+              f"(ideal {2 * microbatches / (microbatches + 1):.2f}x)", flush=True)
+    timelines = {k: v for k, v in results.items() if isinstance(k, str)}
+    if timelines:
+        print(json.dumps(timelines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="graph,calls")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "server":
+        return server(args.index, json.loads(args.cluster))
+    if args.role == "client":
+        return client(json.loads(args.cluster), args.modes.split(","), args.microbatches,
+                      args.repeats)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tfdist.observe import hardware
+    print(f"# pipeline probe on {hardware.describe()}", flush=True)
+    cluster = {"worker": [f"localhost:{_free_port()}" for _ in range(2)],
+               "client": [f"localhost:{_free_port()}"]}
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    me = os.path.abspath(__file__)
+    servers = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, me, "--role=server",
+                                 f"--index={i}", f"--cluster={json.dumps(cluster)}"], env=env)
+               for i in range(2)]
+    try:
+        subprocess.run([sys.executable, me, "--role=client", f"--cluster={json.dumps(cluster)}",
+                        f"--modes={args.modes}", f"--microbatches={args.microbatches}",
+                        f"--repeats={args.repeats}"], env=env, timeout=900, check=True)
+    finally:
+        for proc in servers:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()
