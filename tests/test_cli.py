@@ -18,8 +18,11 @@ from conftest import BIN, REPO, run_cli
 
 pytestmark = pytest.mark.integration
 
+# No XLA compile (~3 CPU-seconds a process on AVX-512): these runs are about
+# flags and errors; --jit_compile=auto runs in test_demo.py and the
+# multi-process equivalence runs (tests/mw_worker.py).
 QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
-         "--steps_per_loop=2", "--global_batch_size=8"]
+         "--steps_per_loop=2", "--global_batch_size=8", "--jit_compile=off"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -148,7 +151,7 @@ def test_run_prints_and_writes_summary(cli_runs):
 def test_ctrl_c_keeps_last_checkpoint(tmp_path, data_dir):
     args = ["--model=mlp", "--model_width=32", "--train_steps=100000", "--steps_per_loop=20",
             "--checkpoint_every=20", "--keep_checkpoints=2", "--strategy=default",
-            "--shuffle_buffer=1000",
+            "--shuffle_buffer=1000", "--jit_compile=off",
             f"--data_dir={data_dir}", f"--model_dir={tmp_path}"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen([os.path.join(BIN, "tfdist-train"), *args], cwd=REPO, env=env,

@@ -265,7 +265,7 @@ def _error_line(result):
 @pytest.mark.integration
 def test_cli_trains_mnist_and_imdb_layouts_and_fails_fast_offline(tfds_dir, tmp_path):
     common = [f"--data_dir={tfds_dir}", "--strategy=default", "--global_batch_size=32",
-              "--learning_rate=0.003"]
+              "--learning_rate=0.003", "--jit_compile=off"]   # data layouts, not XLA
     model_dir = tmp_path / "imdb_run"
     imdb = common + ["--dataset=tfdist_test_imdb", "--model=transformer", "--model_width=32",
                      "--model_depth=1", "--sequence_length=32", "--vocab_size=200",
