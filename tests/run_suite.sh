@@ -7,10 +7,6 @@
 # machine) runs beside it. The Horovod tests wait for the build
 # (tests/conftest.py), and a failed build fails them. Two workers on 2 cores
 # measured 1.9x the serial suite: most tests wait on child processes.
-# --no-loadscope-reorder: files go out in tests/conftest.py's order (the
-# long multi-process ones first); xdist's default sends files with the most
-# tests first, which left the one-test test_fits.py (2+ minutes, one core idle
-# through its one-process phases) running alone at the end.
 # Prints the slowest tests and the time of each phase.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +22,7 @@ start=$(date +%s)
   echo "$code $(( $(date +%s) - start ))" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS" ) &
 build=$!
 TFDIST_REQUIRE_HOROVOD=1 TFDIST_HOROVOD_BUILD_STATUS=$STATUS TFDIST_HOROVOD_BUILD_LOG=$LOG \
-  "$BIN/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
-  -p no:cacheprovider tests
+  "$BIN/python" -m pytest -q -n 2 --dist loadfile --durations=15 -p no:cacheprovider tests
 status=$?
 wait "$build"
 suite=$(( $(date +%s) - start ))
