@@ -113,6 +113,8 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
     @tf.function
     def forward0(x):
         start = tf.timestamp()
+        with tf.control_dependencies([start]):   # the timestamp first, then the work
+            x = tf.identity(x)
         h = forward(0, x)
         with tf.control_dependencies([h]):
             end = tf.timestamp()
@@ -121,6 +123,8 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
     @tf.function
     def forward_backward1(h, scale):
         start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            h = tf.identity(h)
         with tf.GradientTape() as tape:
             tape.watch(h)
             y = forward(1, h)
@@ -134,6 +138,8 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
     @tf.function
     def backward0(x, dh):
         start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            x = tf.identity(x)
         with tf.GradientTape() as tape:
             h = forward(0, x)          # recomputed: nothing kept from forward0
         g0 = tape.gradient(h, ws[0], output_gradients=dh)
@@ -180,15 +186,13 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
                 seconds = (time.perf_counter() - start) / repeats
                 bubble = None
             else:
-                tf.config.experimental.set_synchronous_execution(False)
-                run_calls(x, m)[-1][-1].numpy()      # trace and warm up
-                tf.experimental.async_wait()
+                with tf.experimental.async_scope():   # waits for every call at its end
+                    run_calls(x, m)                     # trace and warm up
                 start = time.perf_counter()
-                for _ in range(repeats):
-                    spans = run_calls(x, m)
-                tf.experimental.async_wait()
+                with tf.experimental.async_scope():
+                    for _ in range(repeats):
+                        spans = run_calls(x, m)
                 seconds = (time.perf_counter() - start) / repeats
-                tf.config.experimental.set_synchronous_execution(True)
                 timeline = [(s, k, i, *span.numpy().tolist()) for s, k, i, span in spans]
                 t0 = min(t[3] for t in timeline)
                 makespan = max(t[4] for t in timeline) - t0
