@@ -110,43 +110,43 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
         return step
 
     # -- calls: per-stage functions, issued asynchronously ------------------------
-    @tf.function
-    def forward0(x):
+    def timed(body, first, *rest):
+        """`body(first, *rest)` (tensors that end when its work does) and the
+        wall-clock [start, end] of that work on this task."""
         start = tf.timestamp()
         with tf.control_dependencies([start]):   # the timestamp first, then the work
-            x = tf.identity(x)
-        h = forward(0, x)
-        with tf.control_dependencies([h]):
+            first = tf.identity(first)
+        outputs = body(first, *rest)
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
             end = tf.timestamp()
-        return h, tf.stack([start, end])
+        return outputs, tf.stack([start, end])
 
     @tf.function
-    def forward_backward1(h, scale):
-        start = tf.timestamp()
-        with tf.control_dependencies([start]):
-            h = tf.identity(h)
+    def forward0(x):
+        return timed(lambda x: forward(0, x), x)
+
+    def _forward_backward1(h, scale):
         with tf.GradientTape() as tape:
             tape.watch(h)
             y = forward(1, h)
             loss = tf.reduce_mean(y * y) * scale
         *g1, dh = tape.gradient(loss, ws[1] + [h])
-        updates = [acc.assign_add(g) for acc, g in zip(grads[1], g1)]
-        with tf.control_dependencies(updates + [dh]):
-            end = tf.timestamp()
-        return dh, tf.stack([start, end])
+        with tf.control_dependencies([acc.assign_add(g) for acc, g in zip(grads[1], g1)]):
+            return tf.identity(dh)
 
     @tf.function
-    def backward0(x, dh):
-        start = tf.timestamp()
-        with tf.control_dependencies([start]):
-            x = tf.identity(x)
+    def forward_backward1(h, scale):
+        return timed(_forward_backward1, h, scale)
+
+    def _backward0(x, dh):
         with tf.GradientTape() as tape:
             h = forward(0, x)          # recomputed: nothing kept from forward0
         g0 = tape.gradient(h, ws[0], output_gradients=dh)
-        updates = [acc.assign_add(g) for acc, g in zip(grads[0], g0)]
-        with tf.control_dependencies(updates):
-            end = tf.timestamp()
-        return tf.stack([start, end])
+        return [acc.assign_add(g) for acc, g in zip(grads[0], g0)]
+
+    @tf.function
+    def backward0(x, dh):
+        return timed(_backward0, x, dh)[1]
 
     def run_calls(x, m):
         with tf.device(devs[0]):

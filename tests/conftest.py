@@ -43,23 +43,48 @@ def run_cli(args, *, timeout=300, env=None, cwd=REPO):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_clis(arg_lists, *, timeout=300, envs=None):
-    """Run several `tfdist-train` invocations at once (each is mostly TensorFlow
-    start-up, so they overlap well); return their CompletedProcess in order.
-    `envs`: extra environment variables for each invocation."""
-    envs = envs or [{}] * len(arg_lists)
-    procs = [subprocess.Popen([os.path.join(BIN, "tfdist-train"), *args], cwd=REPO,
-                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args, env in zip(arg_lists, envs)]
+def start_all(commands, envs=None):
+    """Start `commands` at once, each a process of its own (stdout and stderr
+    piped); `envs`: extra environment variables for each. Collect them with
+    `finish_all`."""
+    envs = envs or [{}] * len(commands)
+    return [subprocess.Popen(command, cwd=REPO,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for command, env in zip(commands, envs)]
+
+
+def finish_all(procs, *, timeout):
+    """Wait for processes from `start_all` (each at most `timeout` s); their
+    CompletedProcess in order. None is left running."""
     results = []
-    for args, proc in zip(arg_lists, procs):
-        try:
+    try:
+        for proc in procs:
             out, err = proc.communicate(timeout=timeout)
-        finally:
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
             proc.kill()
-        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
     return results
+
+
+def run_all(commands, *, timeout=300, envs=None):
+    """Run several commands at once (each is mostly TensorFlow start-up, so
+    they overlap well); their CompletedProcess in order."""
+    return finish_all(start_all(commands, envs), timeout=timeout)
+
+
+def tfdist_train(args):
+    """The command line of `tfdist-train ARGS`."""
+    return [os.path.join(BIN, "tfdist-train"), *args]
+
+
+def run_clis(arg_lists, *, timeout=300, envs=None):
+    """`run_all` of several `tfdist-train` invocations; each result's `args`
+    are its invocation's ARGS."""
+    results = run_all([tfdist_train(args) for args in arg_lists], timeout=timeout, envs=envs)
+    return [subprocess.CompletedProcess(args, r.returncode, r.stdout, r.stderr)
+            for args, r in zip(arg_lists, results)]
 
 
 def pytest_configure(config):

@@ -14,7 +14,7 @@ from tfdist import checkpointing, cluster
 from tfdist.errors import UsageError
 
 from common import run_cli_cases
-from conftest import BIN, REPO, run_cli
+from conftest import BIN, REPO, finish_all, run_cli, start_all, tfdist_train
 
 pytestmark = pytest.mark.integration
 
@@ -97,20 +97,14 @@ def cli_runs(tmp_path_factory, data_dir):
                              "--loss=categorical_crossentropy", "--label_smoothing=0.1",
                              "--metrics=accuracy,top5_accuracy,crossentropy"],
     }
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    procs = {name: subprocess.Popen([os.path.join(BIN, "tfdist-train"), *args], cwd=REPO,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)
-             for name, args in clean.items()}
+    procs = start_all([tfdist_train(args) for args in clean.values()])
     try:
         results = run_cli_cases([QUICK + args for args, _ in errors], timeout=240)
-        runs = {}
-        for name, proc in procs.items():
-            out, err = proc.communicate(timeout=240)
-            runs[name] = subprocess.CompletedProcess(clean[name], proc.returncode, out, err)
-    finally:
-        for proc in procs.values():
+    except BaseException:
+        for proc in procs:
             proc.kill()
+        raise
+    runs = dict(zip(clean, finish_all(procs, timeout=240)))
     return dict(root=root, a_file=a_file, errors=list(zip(errors, results)), **runs)
 
 

@@ -15,7 +15,7 @@ from tfdist import exporting, models
 from tfdist.checkpointing import checkpoint_dir
 from tfdist.data import tfds_inputs
 
-from conftest import BIN, REPO, run_clis
+from conftest import BIN, REPO, run_all, run_clis
 
 TINY = {"mlp": ["--model=mlp", "--model_width=16", "--model_depth=1"],
         "cnn": ["--model=cnn", "--model_width=4", "--model_depth=1"]}
@@ -69,16 +69,15 @@ def test_cli_export_and_tfdist_export(tmp_path, data_dir):
         assert result.returncode == 0, (name, result.stderr[-3000:])
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         assert summary["export"]["keras"] == str(tmp_path / name / "export" / "model.keras")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     # Two fresh processes at once (each is mostly TensorFlow start-up): tfdist-export
     # of the dtensor run, and tfdist.load_model of the cnn's export, which
     # registers the cnn's own layers.
-    exported, fresh = _run_all([
+    exported, fresh = run_all([
         [os.path.join(BIN, "tfdist-export"), f"--model_dir={tmp_path / 'dtensor_mlp'}",
          f"--export_dir={tmp_path / 'again'}"],
         [os.path.join(BIN, "python"), "-c",
          "import sys, tfdist; print(tfdist.load_model(sys.argv[1]).name)",
-         str(tmp_path / "default_cnn" / "export" / "model.keras")]], env, timeout=120)
+         str(tmp_path / "default_cnn" / "export" / "model.keras")]], timeout=120)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert fresh.returncode == 0 and fresh.stdout.split()[-1] == "cnn", fresh.stderr[-2000:]
     for name in runs:
@@ -91,28 +90,13 @@ def test_cli_export_and_tfdist_export(tmp_path, data_dir):
 
 
 def test_tfdist_export_bad_input_is_one_line(tmp_path):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     cases = [([f"--model_dir={tmp_path}", f"--export_dir={tmp_path / 'e'}"], "has no run.json"),
              ([f"--model_dir={tmp_path}"], "needs --model_dir")]
-    results = _run_all([[os.path.join(BIN, "tfdist-export"), *args] for args, _ in cases], env,
-                       timeout=120)
+    results = run_all([[os.path.join(BIN, "tfdist-export"), *args] for args, _ in cases],
+                      timeout=120)
     for (args, message), result in zip(cases, results):
         assert result.returncode == 2, (args, result.stderr[-2000:])
         errors = [line for line in result.stderr.splitlines() if ": error:" in line]
         assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert not (tmp_path / "e").exists()
 
-
-def _run_all(commands, env, timeout):
-    """Run `commands` at once, each a process of its own; their CompletedProcess in order."""
-    procs = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for command in commands]
-    results = []
-    try:
-        for command, proc in zip(commands, procs):
-            out, err = proc.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(command, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            proc.kill()
-    return results
