@@ -13,9 +13,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-from tfdist import cluster, compat  # noqa: E402
+from tfdist import cluster, compat  # noqa: E402  (first: tfdist defers Keras's matplotlib)
+
+import tensorflow as tf  # noqa: E402
 
 cluster.configure_virtual_cpus(4)
 

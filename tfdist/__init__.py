@@ -4,6 +4,10 @@
     result = tfdist.train(tfdist.RunConfig(...), model_fn=..., dataset_fn=...)
 """
 
+from tfdist import compat as _compat
+
+_compat.defer_keras_matplotlib()   # before anything imports Keras: 0.4 CPU-s a process
+
 from tfdist.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig,
                            StrategyConfig, TrainConfig)
 from tfdist.errors import ConfigError, UsageError
