@@ -1,11 +1,12 @@
 """Small deterministic data and models for in-process tests."""
 
 import numpy as np
-import tensorflow as tf
 
-import tfdist
+import tfdist   # before TensorFlow: tfdist keeps Keras from importing matplotlib
 from tfdist.data.function_inputs import shard
 from tfdist.data.spec import DatasetSpec
+
+import tensorflow as tf  # noqa: E402
 
 IMAGE_SPEC = DatasetSpec(name="random_images", kind="image", input_shape=(8, 8, 3),
                          num_classes=5, train_examples=512, eval_examples=96)
