@@ -17,7 +17,7 @@ from conftest import BIN, REPO
 COMPARE = os.path.join(BIN, "tfdist-compare")
 # Small enough that each training run is mostly TensorFlow start-up.
 SMALL = ["--model=mlp", "--model_width=32", "--dataset=tfdist_shapes", "--global_batch_size=64",
-         "--virtual_devices=2"]
+         "--virtual_devices=2", "--jit_compile=off"]   # the comparison, not XLA: no compiles
 
 
 def _curve(values, start=1, every=1):

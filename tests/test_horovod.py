@@ -590,7 +590,7 @@ def test_elastic_survives_a_killed_rank_and_takes_it_back(tmp_path, data_dir, ba
             "--model=mlp", "--model_width=16", "--model_depth=1", "--global_batch_size=32",
             f"--train_steps={steps}", "--steps_per_loop=50", "--log_every=50",
             "--checkpoint_every=200", "--shuffle_buffer=1000", f"--data_dir={data_dir}",
-            f"--model_dir={model_dir}"]
+            f"--model_dir={model_dir}", *NO_XLA]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen([*_elastic_horovodrun(tmp_path, cooldown_s=1), TRAIN, *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
