@@ -531,7 +531,8 @@ def test_fuzzed_cli_runs_or_exits_2_in_one_line_writing_nothing(tmp_path, data_d
     model_dirs = [tmp_path / f"run{i}" / "model" for i in range(len(examples))]
     base = ["--strategy=default", "--model=mlp", "--model_width=4", "--model_depth=1",
             "--train_steps=1", "--steps_per_loop=1", "--global_batch_size=8",
-            f"--data_dir={data_dir}"]
+            # No XLA compile unless the sample asks (its --jit_compile comes later).
+            "--jit_compile=off", f"--data_dir={data_dir}"]
     results = run_clis([[*base, f"--model_dir={d}", *extra]
                         for d, extra in zip(model_dirs, examples)], timeout=120)
     for extra, model_dir, result in zip(examples, model_dirs, results):
@@ -588,7 +589,8 @@ def size_runs(tmp_path_factory, data_dir):
     model_dirs = [root / f"run{i}" / "model" for i in range(len(SIZES))]
     results = run_clis([["--strategy=default", "--model=mlp", "--model_width=4",
                          "--model_depth=1", "--train_steps=1", "--steps_per_loop=1",
-                         f"--data_dir={data_dir}", f"--model_dir={model_dir}", extra]
+                         "--jit_compile=off", f"--data_dir={data_dir}",
+                         f"--model_dir={model_dir}", extra]
                         for model_dir, extra in zip(model_dirs, SIZES)], timeout=120)
     return dict(zip(SIZES, zip(results, model_dirs)))
 
