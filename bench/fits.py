@@ -20,7 +20,7 @@ Printed per run: exit, each process's peak resident memory (the summary's
 largest difference of its final weights from the reference's with the count
 outside 1e-5 (the tolerance rules of tests/test_dtensor.py). Snapshots and
 checkpoints stay in --work_dir (a fresh temporary directory by default).
-Also printed into bench/results/fits.md. `tests/test_fits.py` runs the same
+Also printed into bench/results/fits.md. `tests/test_zero.py` runs the same
 procedure at a scale the suite affords.
 """
 

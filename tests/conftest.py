@@ -24,7 +24,8 @@ cluster.configure_virtual_cpus(4)
 # DTensor reads its gather lowering once per process: keep its default gather
 # here (as a first DTensor run that is not stage 3 does). The collective
 # gather that a stage-3 run on a 1-D mesh picks is tested in processes of its
-# own (tests/test_fits.py, the 2-process run of tests/test_dtensor.py).
+# own (the "does it fit" test in tests/test_zero.py, the 2-process run of
+# tests/test_dtensor.py).
 compat.dtensor_fsdp_lowering({"batch": 2, "model": 2}, 0)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,13 +125,14 @@ def wait_for_horovod_build() -> None:
 # after enough other work to cover that. test_slurm.py (about a minute of
 # Slurm jobs; alphabetically it would come last) also wants Horovod built.
 # (xdist itself then sends the files with the most tests first, so one-test
-# files such as test_fits.py run last. Measured, issue 21: keeping this order
+# files run last: the "does it fit" test, 100 s of processes, ran alone at the
+# end as test_fits.py, so it now leads tests/test_zero.py. Measured, issue 21: keeping this order
 # instead (--no-loadscope-reorder, the longest multi-process files first) ran
 # every cluster at the same time as another and made the suite slower, 1158 s
 # against 1040 s, with 2050 against 1855 CPU-seconds: two clusters at once on
 # 2 cores cost more than a cluster beside in-process tests.)
 FIRST = ["test_multi_worker.py", "test_parameter_server.py", "test_reliability.py",
-         "test_fits.py", "test_dtensor.py", "test_zero.py", "test_horovod.py", "test_netns.py", "test_demo.py",
+         "test_dtensor.py", "test_zero.py", "test_horovod.py", "test_netns.py", "test_demo.py",
          "test_cli.py", "test_slurm.py", "test_exposure.py"]
 
 

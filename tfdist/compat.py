@@ -587,7 +587,7 @@ def dtensor_fsdp_lowering(mesh_axes: dict, stage: int) -> None:
 
     A value the user set is kept. Verified: tensorflow 2.21.0. Check: the
     refusal above (a wrong result is never silent); the memory is measured by
-    `bench/dtensor.py`'s "does it fit" row and `tests/test_fits.py`.
+    `bench/dtensor.py`'s "does it fit" row and `tests/test_zero.py`.
     """
     import os
     from tfdist.errors import UsageError
