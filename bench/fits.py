@@ -126,7 +126,10 @@ def prove(work, width, depth, cap, meshes, steps, timeout, log=print):
     log(f"1 process under {cap}: exit {rc} after {seconds:.0f} s: {line}")
     for mesh in meshes:
         name = "stage3_" + mesh.replace(":", "").replace(",", "_")
-        rc, line, summaries, seconds = launch(work, name, 4, cap, mesh, 3, width, depth,
+        processes = 1
+        for axis in mesh.split(","):
+            processes *= int(axis.split(":")[1])
+        rc, line, summaries, seconds = launch(work, name, processes, cap, mesh, 3, width, depth,
                                               steps, timeout)
         entry = dict(rc=rc, line=line, seconds=seconds,
                      peaks=[s["peak_rss_bytes"] for s in summaries],
@@ -136,7 +139,8 @@ def prove(work, width, depth, cap, meshes, steps, timeout, log=print):
                 os.path.join(work, name, "model"), os.path.join(work, "reference", "model"),
                 os.path.join(work, "snapshot"))
         results[mesh] = entry
-        log(f"4 processes, stage 3, {mesh}, each under {cap}: exit {rc} after {seconds:.0f} s"
+        log(f"{processes} processes, stage 3, {mesh}, each under {cap}: exit {rc} after "
+            f"{seconds:.0f} s"
             + (f", peaks {', '.join(f'{p / 2**30:.2f}' for p in entry['peaks'])} GiB, loss "
                f"{entry['loss']:.6f}, weights vs reference: largest difference "
                f"{entry['largest']:.2e}, {entry['outside']} of {entry['elements']:,} outside "

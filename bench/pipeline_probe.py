@@ -60,6 +60,26 @@ def server(index: int, cluster: dict) -> None:
                          protocol="grpc").join()
 
 
+def _build_order(plan):
+    """The (stage, kind, micro-batch) order in which make_ordered builds items."""
+    position, done_f1, done_b1, order = [0, 0], set(), set(), []
+    while position[0] < len(plan[0]) or position[1] < len(plan[1]):
+        for s in (0, 1):
+            if position[s] >= len(plan[s]):
+                continue
+            k, i = plan[s][position[s]]
+            ok = (k == "F" or i in done_b1) if s == 0 else (
+                i in {j for (ss, kk, j) in order if (ss, kk) == (0, "F")} if k == "F"
+                else i in done_f1)
+            if not ok:
+                continue
+            order.append((s, k, i))
+            if s == 1:
+                (done_f1 if k == "F" else done_b1).add(i)
+            position[s] += 1
+    return order
+
+
 def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
     import tensorflow as tf
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster), job_name="client")
@@ -107,6 +127,96 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
                     for acc, g in zip(grads[0], g0):
                         acc.assign_add(g)
             return tf.constant(0.0)
+        return step
+
+    # -- ordered: one traced step, each stage's work chained in schedule order ----
+    def schedule(m, kind):
+        """Each stage's work in order: [("F"|"B", micro-batch)]. GPipe: every
+        forward, then every backward. 1F1B: stage s runs S-1-s forwards, then
+        alternates (one forward, one backward), then the remaining backwards."""
+        stages = 2
+        if kind == "gpipe":
+            return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+                    for _ in range(stages)]
+        out = []
+        for s in range(stages):
+            warm = min(m, stages - 1 - s)
+            order = [("F", i) for i in range(warm)]
+            f, b = warm, 0
+            while b < m:
+                if f < m:
+                    order.append(("F", f))
+                    f += 1
+                order.append(("B", b))
+                b += 1
+            out.append(order)
+        return out
+
+    def make_ordered(m, kind):
+        """Builds the ops of each stage's schedule in an order that respects the
+        data (F0 -> F1 -> B1 -> B0 per micro-batch), each under a control
+        dependency on the same stage's previous item, so each task's executor
+        runs its stage's items in schedule order instead of whatever is ready
+        (e.g. every micro-batch's first layer before any second layer)."""
+        @tf.function
+        def step(x):
+            with tf.device(devs[0]):
+                xs = tf.split(x, m)
+            plan = schedule(m, kind)
+            position = [0, 0]
+            last = [None, None]
+            h, dh, tape0, tape1, loss1 = {}, {}, {}, {}, {}
+            stamps = []
+
+            def ready(s, k, i):
+                if s == 0:
+                    return k == "F" or i in dh
+                return i in h if k == "F" else i in loss1
+
+            while position[0] < len(plan[0]) or position[1] < len(plan[1]):
+                progressed = False
+                for s in (0, 1):
+                    if position[s] >= len(plan[s]):
+                        continue
+                    k, i = plan[s][position[s]]
+                    if not ready(s, k, i):
+                        continue
+                    with tf.device(devs[s]), tf.control_dependencies(
+                            [last[s]] if last[s] is not None else []):
+                        start = tf.timestamp()
+                        with tf.control_dependencies([start]):
+                            if (s, k) == (0, "F"):
+                                with tf.GradientTape() as t:
+                                    out = forward(0, tf.identity(xs[i]))
+                                tape0[i], h[i] = t, out
+                                done = [out]
+                            elif (s, k) == (1, "F"):
+                                with tf.GradientTape() as t:
+                                    hin = tf.identity(h[i])
+                                    t.watch(hin)
+                                    y = forward(1, hin)
+                                    loss = tf.reduce_mean(y * y) / m
+                                tape1[i], loss1[i] = (t, hin), loss
+                                done = [loss]
+                            elif (s, k) == (1, "B"):
+                                t, hin = tape1[i]
+                                *g1, dh[i] = t.gradient(loss1[i], ws[1] + [hin])
+                                done = [acc.assign_add(g) for acc, g in zip(grads[1], g1)]
+                                done = [dh[i]] + [d.read_value() if hasattr(d, "read_value")
+                                                  else d for d in done]
+                            else:
+                                g0 = tape0[i].gradient(h[i], ws[0], output_gradients=dh[i])
+                                done = [acc.assign_add(g) for acc, g in zip(grads[0], g0)]
+                                done = [d.read_value() if hasattr(d, "read_value") else d
+                                        for d in done]
+                        with tf.control_dependencies(done):
+                            end = tf.timestamp()
+                    stamps.append((s, k, i, tf.stack([start, end])))
+                    last[s] = end
+                    position[s] += 1
+                    progressed = True
+                assert progressed, "schedule deadlock"
+            return [tf.stack([st for _, _, _, st in stamps])]
         return step
 
     # -- calls: per-stage functions, issued asynchronously ------------------------
@@ -176,7 +286,26 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
     results = {}
     for mode in modes:
         for m in (1, microbatches):
-            if mode == "graph":
+            if mode in ("gpipe", "1f1b"):
+                step = make_ordered(m, mode)
+                step(x)[0].numpy()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    out = step(x)
+                stamps = out[0].numpy()
+                seconds = (time.perf_counter() - start) / repeats
+                kinds = [(s_, k, i) for s_ in (0, 1) for k, i in schedule(m, mode)[s_]]
+                # the stamps are in build order; rebuild it to label them
+                labels = _build_order(schedule(m, mode))
+                t0 = stamps[:, 0].min()
+                makespan = stamps[:, 1].max() - t0
+                busy = float((stamps[:, 1] - stamps[:, 0]).sum())
+                bubble = 1 - busy / (2 * makespan)
+                results[f"{mode} timeline M={m}"] = [
+                    (s_, k, i, round(float(a - t0), 4), round(float(b - t0), 4))
+                    for (s_, k, i), (a, b) in zip(labels, stamps)]
+                del kinds
+            elif mode == "graph":
                 step = make_graph(m)
                 step(x).numpy()
                 start = time.perf_counter()
