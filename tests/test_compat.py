@@ -539,3 +539,16 @@ def test_keras_matplotlib_check():
     with pytest.raises(compat.UpstreamChanged) as raised:
         loader.exec_module(types.ModuleType("stand_in"))
     assert_one_line_change(raised, "plot_image_gallery.plt")
+
+
+def test_symbolic_calls():
+    inputs = keras.Input((4,))
+    once, twice = keras.layers.Dense(4), keras.layers.Dense(4)
+    once(twice(twice(inputs)))
+    assert (compat.symbolic_calls(once), compat.symbolic_calls(twice)) == (1, 2)
+
+
+def test_symbolic_calls_check():
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.symbolic_calls(object())
+    assert_one_line_change(raised, "_inbound_nodes")

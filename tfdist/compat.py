@@ -712,3 +712,18 @@ def defer_keras_matplotlib() -> None:
     if "keras" in sys.modules or any(isinstance(f, _DeferMatplotlib) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _DeferMatplotlib())
+
+
+def symbolic_calls(layer) -> int:
+    """How many places of a functional graph call `layer` (symbolic calls).
+
+    What: Keras's private `Layer._inbound_nodes` (one node per symbolic call).
+    Why: a pipeline stage must own its layers (`tfdist/pipeline/split.py`), and
+    Keras 3's public `layer.input`/`layer.output` return the first call's
+    tensors without complaint when a layer is called at several places.
+    Verified: keras 3.15.1. Check: the attribute exists and is a list.
+    """
+    nodes = _require(layer, "_inbound_nodes", "keras Layer._inbound_nodes")
+    if not isinstance(nodes, list):
+        raise _changed("keras Layer._inbound_nodes", "is no longer a list")
+    return len(nodes)

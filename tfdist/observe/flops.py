@@ -59,6 +59,42 @@ def forward_flops_by_op(model, input_signature=None) -> dict:
     return by_op
 
 
+def forward_flops_by_scope(model, input_signature=None) -> dict:
+    """`forward_flops` split by the name scope each op of the traced graph sits
+    in directly under the model's: a functional model's top-level layers, whose
+    scopes TensorFlow may have made unique with a "_<n>" suffix (see
+    `layer_flops`). Ops called through nested functions count where the call is."""
+    if input_signature is None:
+        input_signature = _input_signature(model)
+    traced = tf.function(lambda inputs: model(inputs, training=False), autograph=False)
+    graph = traced.get_concrete_function(input_signature).graph
+    by_scope: dict = {}
+    for op in graph.get_operations():
+        counter = _COUNTERS.get(op.type)
+        flops = (counter(op) if counter is not None else 0) + _called_flops(op, (graph,), {})
+        if flops:
+            parts = op.name.split("/")
+            scope = parts[1] if len(parts) > 2 else ""
+            by_scope[scope] = by_scope.get(scope, 0) + flops
+    return by_scope
+
+
+def layer_flops(model, names, input_signature=None) -> dict:
+    """{layer name: forward FLOPs per example} for `names`, top-level layers of
+    `model` (their scopes matched exactly, else with TensorFlow's "_<n>"
+    suffix), and "" for FLOPs outside every named layer."""
+    import re
+    found = {name: 0 for name in names}
+    found[""] = 0
+    for scope, flops in forward_flops_by_scope(model, input_signature).items():
+        if scope in found:
+            found[scope] += flops
+            continue
+        base = re.sub(r"_\d+$", "", scope)
+        found[base if base in found else ""] += flops
+    return found
+
+
 def convolution_share(by_op: dict) -> float:
     """The fraction of FLOPs in convolutions (0 for a model without any)."""
     total = sum(by_op.values())

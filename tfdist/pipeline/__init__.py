@@ -1,0 +1,1 @@
+"""Pipeline parallelism (issue 22): models split into stages (`split`)."""
