@@ -1,7 +1,8 @@
 """Probe (issue 22): can two pipeline stages, each a process on its own core,
 overlap their *backward* passes when one client drives them?
 
-    python bench/pipeline_probe.py [--modes graph,calls] [--microbatches 8]
+    python bench/pipeline_probe.py [--modes graph,calls,gpipe,1f1b,gpipe-nostamps,
+                                            1f1b-nostamps,independent] [--microbatches 8]
 
 Two stage servers (`tf.distribute.Server`, one intra-op thread, pinned with
 taskset to cores 0 and 1) and a client that connects to them
@@ -26,6 +27,22 @@ S=2, M=8: 16/9 = 1.78x):
   inputs, so stage 1's work on micro-batch i overlaps stage 0's on i+1.
   The order is 1F1B-like on task 0: forward0 of i+1 is issued before
   backward0 of i.
+
+- `gpipe`, `1f1b`: one traced step again, but each stage's items (forward or
+  backward of one micro-batch) are chained with control dependencies in the
+  schedule's order, so each task runs its stage's schedule rather than
+  whatever is ready. With per-item `tf.timestamp`s for the timeline; the
+  `-nostamps` variants leave them out, because timestamps are stateful ops
+  that tf.function's automatic control dependencies chain in build order,
+  across stages (which serialises the stages by itself).
+- `independent`: no pipeline at all: one traced function holding two
+  independent chains of 40 matmuls, one on each task, against each chain
+  alone. Measured here: 203-215 ms against 105-112 ms each (the sum: the two
+  tasks never ran at the same time), while two clients driving one task each
+  ran both chains at once in 105 ms each, so the cores are independent: a
+  function one client runs on two remote tasks runs their parts one after
+  the other. `bench/pipeline_p2p_probe.py` tries the other way (each stage
+  its own client).
 
 Each call's start and end on its task (wall time, from `tf.timestamp()` inside
 the function) give the per-stage timeline and the measured bubble fraction:
@@ -152,7 +169,7 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
             out.append(order)
         return out
 
-    def make_ordered(m, kind):
+    def make_ordered(m, kind, stamped):
         """Builds the ops of each stage's schedule in an order that respects the
         data (F0 -> F1 -> B1 -> B0 per micro-batch), each under a control
         dependency on the same stage's previous item, so each task's executor
@@ -183,7 +200,10 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
                         continue
                     with tf.device(devs[s]), tf.control_dependencies(
                             [last[s]] if last[s] is not None else []):
-                        start = tf.timestamp()
+                        # tf.timestamp is stateful: tf.function's automatic
+                        # control dependencies chain every timestamp in build
+                        # order, across stages, which serialises the stages.
+                        start = tf.timestamp() if stamped else tf.constant(0.0, tf.float64)
                         with tf.control_dependencies([start]):
                             if (s, k) == (0, "F"):
                                 with tf.GradientTape() as t:
@@ -210,9 +230,9 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
                                 done = [d.read_value() if hasattr(d, "read_value") else d
                                         for d in done]
                         with tf.control_dependencies(done):
-                            end = tf.timestamp()
+                            end = tf.timestamp() if stamped else tf.constant(0.0, tf.float64)
                     stamps.append((s, k, i, tf.stack([start, end])))
-                    last[s] = end
+                    last[s] = end if stamped else tf.group(*done)
                     position[s] += 1
                     progressed = True
                 assert progressed, "schedule deadlock"
@@ -284,27 +304,52 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
     with tf.device(devs[0]):
         x = tf.random.normal([B, W], seed=7)
     results = {}
+    if "independent" in modes:
+        modes = [m for m in modes if m != "independent"]
+
+        def chains(which):
+            @tf.function(autograph=False)
+            def both(x):
+                out = []
+                for s in which:
+                    with tf.device(devs[s]):
+                        y = tf.identity(x[:256])
+                        for _ in range(40):
+                            y = tf.nn.relu(y @ ws[s][0])
+                        out.append(tf.reduce_sum(y))
+                return out
+            return both
+
+        for which in ([0], [1], [0, 1]):
+            function = chains(which)
+            [o.numpy() for o in function(x)]
+            start = time.perf_counter()
+            for _ in range(repeats):
+                out = function(x)
+            [o.numpy() for o in out]
+            print(f"independent chains on tasks {which}: "
+                  f"{(time.perf_counter() - start) / repeats * 1e3:.1f} ms", flush=True)
     for mode in modes:
         for m in (1, microbatches):
-            if mode in ("gpipe", "1f1b"):
-                step = make_ordered(m, mode)
+            if mode in ("gpipe", "1f1b", "gpipe-nostamps", "1f1b-nostamps"):
+                kind, stamped = mode.split("-")[0], not mode.endswith("-nostamps")
+                step = make_ordered(m, kind, stamped)
                 step(x)[0].numpy()
                 start = time.perf_counter()
                 for _ in range(repeats):
                     out = step(x)
                 stamps = out[0].numpy()
                 seconds = (time.perf_counter() - start) / repeats
-                kinds = [(s_, k, i) for s_ in (0, 1) for k, i in schedule(m, mode)[s_]]
                 # the stamps are in build order; rebuild it to label them
-                labels = _build_order(schedule(m, mode))
+                labels = _build_order(schedule(m, kind))
                 t0 = stamps[:, 0].min()
                 makespan = stamps[:, 1].max() - t0
                 busy = float((stamps[:, 1] - stamps[:, 0]).sum())
-                bubble = 1 - busy / (2 * makespan)
-                results[f"{mode} timeline M={m}"] = [
-                    (s_, k, i, round(float(a - t0), 4), round(float(b - t0), 4))
-                    for (s_, k, i), (a, b) in zip(labels, stamps)]
-                del kinds
+                bubble = 1 - busy / (2 * makespan) if stamped else None
+                if stamped:
+                    results[f"{mode} timeline M={m}"] = [
+                        (s_, k, i, round(float(a - t0), 4), round(float(b - t0), 4))
+                        for (s_, k, i), (a, b) in zip(labels, stamps)]
             elif mode == "graph":
                 step = make_graph(m)
                 step(x).numpy()
