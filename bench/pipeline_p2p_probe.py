@@ -17,12 +17,21 @@ dense layers per stage, global batch 512). Prints each stage's ms/step for
 M=1 and M micro-batches (ideal for S=2, M=8: 1.78x faster). `--nocomm`
 replaces every transfer with a local tensor: each stage's own compute time.
 
-Measured on the 2-core AMD EPYC (no AMX), two runs: M=1 96-104 ms, M=8
-104-112 ms per step;
---nocomm 51-53 ms (M=1) and 60 ms (M=8) per stage. The stages still ran one
-after the other (M=8 took about the sum of the two stages' 60 ms), so the
-point-to-point transfers, not only the single client, serialise them: the
-next thing to find out for issue 22.
+Then each stage's items of the last step, start and end in wall-clock
+seconds (each item starts after its timestamp). Measured on the 2-core AMD
+EPYC (no AMX), four runs: M=1 96-110 ms, M=8 91-112 ms per step; with
+--nocomm each stage's own compute is 51-53 ms (M=1) and 60 ms (M=8), so a
+pipeline could take about 65-70 ms. The timeline of one M=8 step (103 ms):
+the forwards pipeline (stage 0's eight take 21 ms, 2-3 ms each; stage 1's
+forward of micro-batch i runs beside stage 0's of i+1 and ends 12 ms after
+stage 0's last), then stage 1's eight backwards take 51 ms (6.5 ms each,
+against about 4.6 ms from --nocomm) and stage 0's backwards trail them,
+paced by each micro-batch's gradient, ending 18 ms after stage 1's. Not the
+hardware: two clients running the same backward-like work (64-row weight
+gradients accumulated into a variable) on the two cores at once took 34-38
+ms each against 35 ms alone, and 8 transfers of 256 KiB take 3 ms. Why
+stage 1's backward items run slower beside the transfers is the next thing
+to find out for issue 22.
 """
 from __future__ import annotations
 
@@ -67,10 +76,15 @@ def stage(index: int, microbatches: int, nocomm: bool, repeats: int = 5) -> None
 
     @tf.function(autograph=False)
     def step(x, base):
+        # Each item's [start, end] from tf.timestamp: automatic control
+        # dependencies chain the timestamps in program order, which here is
+        # this stage's schedule order (the other stage is another process).
         xs = tf.split(x, m)
-        last, sent, tapes, ins, outs = None, [], {}, {}, {}
+        last, sent, tapes, ins, outs, stamps = None, [], {}, {}, {}, []
         for i in range(m):   # every forward, in order
             with tf.control_dependencies([last] if last is not None else []):
+                stamps.append(tf.timestamp())
+            with tf.control_dependencies([stamps[-1]]):   # the item starts after it
                 h_in = tf.identity(xs[i]) if index == 0 else recv(base * 1000 + i)
                 with tf.GradientTape() as tape:
                     tape.watch(h_in)
@@ -81,8 +95,12 @@ def stage(index: int, microbatches: int, nocomm: bool, repeats: int = 5) -> None
                 if index == 0:
                     sent.append(send(out, base * 1000 + i))
                 last = out
+            with tf.control_dependencies([last]):
+                stamps.append(tf.timestamp())
         for i in range(m):   # then every backward, in order
             with tf.control_dependencies([last]):
+                stamps.append(tf.timestamp())
+            with tf.control_dependencies([stamps[-1]]):   # the item starts after it
                 if index == 1:
                     *g, dh = tapes[i].gradient(outs[i], ws + [ins[i]])
                     sent.append(send(dh, base * 1000 + 500 + i))
@@ -90,16 +108,21 @@ def stage(index: int, microbatches: int, nocomm: bool, repeats: int = 5) -> None
                     dh = recv(base * 1000 + 500 + i)
                     g = tapes[i].gradient(outs[i], ws, output_gradients=dh)
                 last = tf.group(*[a.assign_add(gg) for a, gg in zip(grads, g)])
+            with tf.control_dependencies([last]):
+                stamps.append(tf.timestamp())
         with tf.control_dependencies([last] + sent):
-            return tf.constant(0.0)
+            return tf.reshape(tf.stack(stamps), [-1, 2])
 
     x = tf.random.normal([B, W], seed=7)
     step(x, tf.constant(0)).numpy()
     start = time.perf_counter()
     for r in range(repeats):
-        step(x, tf.constant(r + 1)).numpy()
+        stamps = step(x, tf.constant(r + 1)).numpy()
     print(f"stage {index} M={m}{' (no transfers)' if nocomm else ''}: "
           f"{(time.perf_counter() - start) / repeats * 1e3:.1f} ms/step", flush=True)
+    # The last step's items, wall-clock seconds (both processes share the clock).
+    items = [f"{'FB'[k >= m]}{k % m} {a:.4f}-{b:.4f}" for k, (a, b) in enumerate(stamps)]
+    print(f"timeline stage {index} M={m}: {json.dumps(items)}", flush=True)
 
 
 def main() -> None:
