@@ -31,7 +31,7 @@ at once ran at full speed each, 34-38 against 35 ms) nor the transfers (8 of
 256 KiB take 3 ms); my reading, not verified: the idle inter-op threads'
 spin-waiting takes the core from the compute while a stage waits for a
 tensor. With one inter-op thread (the default here), 1F1B overlaps: M=8
-83-95 ms against M=1 95-105 ms in four runs, 1.08-1.26x (ideal 1.78x); its
+83-107 ms against M=1 95-106 ms in six runs, 1.0-1.26x (ideal 1.78x); its
 timeline's steady state alternates stage 1's forward (3.4 ms) and backward
 (5.5 ms) with stage 0's (2.1 and 6.5 ms) at the same time. GPipe got worse
 with one thread (135 ms). The gap to 1.4x is the next thing for issue 22.
@@ -46,7 +46,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_probe import B, L, W, _free_port  # noqa: E402
+from pipeline_probe import B, L, W, _free_port, schedule  # noqa: E402
 
 
 def stage(index: int, microbatches: int, nocomm: bool, kind: str, inter_op: int,
@@ -129,27 +129,6 @@ def stage(index: int, microbatches: int, nocomm: bool, kind: str, inter_op: int,
     # The last step's items, wall-clock seconds (both processes share the clock).
     items = [f"{what}{i} {a:.4f}-{b:.4f}" for (what, i), (a, b) in zip(order, stamps)]
     print(f"timeline stage {index} {kind} M={m}: {json.dumps(items)}", flush=True)
-
-
-def schedule(m: int, kind: str, stages: int = 2) -> list:
-    """Each stage's items in order, [("F"|"B", micro-batch)]. GPipe: every
-    forward, then every backward. 1F1B: stage s runs S-1-s forwards first, then
-    one forward and one backward in turn, then the remaining backwards."""
-    if kind == "gpipe":
-        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-                for _ in range(stages)]
-    out = []
-    for s in range(stages):
-        warm = min(m, stages - 1 - s)
-        order, f, b = [("F", i) for i in range(warm)], warm, 0
-        while b < m:
-            if f < m:
-                order.append(("F", f))
-                f += 1
-            order.append(("B", b))
-            b += 1
-        out.append(order)
-    return out
 
 
 def main() -> None:

@@ -77,24 +77,25 @@ def server(index: int, cluster: dict) -> None:
                          protocol="grpc").join()
 
 
-def _build_order(plan):
-    """The (stage, kind, micro-batch) order in which make_ordered builds items."""
-    position, done_f1, done_b1, order = [0, 0], set(), set(), []
-    while position[0] < len(plan[0]) or position[1] < len(plan[1]):
-        for s in (0, 1):
-            if position[s] >= len(plan[s]):
-                continue
-            k, i = plan[s][position[s]]
-            ok = (k == "F" or i in done_b1) if s == 0 else (
-                i in {j for (ss, kk, j) in order if (ss, kk) == (0, "F")} if k == "F"
-                else i in done_f1)
-            if not ok:
-                continue
-            order.append((s, k, i))
-            if s == 1:
-                (done_f1 if k == "F" else done_b1).add(i)
-            position[s] += 1
-    return order
+def schedule(m: int, kind: str, stages: int = 2) -> list:
+    """Each stage's items in order, [("F"|"B", micro-batch)]. GPipe: every
+    forward, then every backward. 1F1B: stage s runs S-1-s forwards first, then
+    one forward and one backward in turn, then the remaining backwards."""
+    if kind == "gpipe":
+        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+                for _ in range(stages)]
+    out = []
+    for s in range(stages):
+        warm = min(m, stages - 1 - s)
+        order, f, b = [("F", i) for i in range(warm)], warm, 0
+        while b < m:
+            if f < m:
+                order.append(("F", f))
+                f += 1
+            order.append(("B", b))
+            b += 1
+        out.append(order)
+    return out
 
 
 def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
@@ -147,34 +148,14 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
         return step
 
     # -- ordered: one traced step, each stage's work chained in schedule order ----
-    def schedule(m, kind):
-        """Each stage's work in order: [("F"|"B", micro-batch)]. GPipe: every
-        forward, then every backward. 1F1B: stage s runs S-1-s forwards, then
-        alternates (one forward, one backward), then the remaining backwards."""
-        stages = 2
-        if kind == "gpipe":
-            return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-                    for _ in range(stages)]
-        out = []
-        for s in range(stages):
-            warm = min(m, stages - 1 - s)
-            order = [("F", i) for i in range(warm)]
-            f, b = warm, 0
-            while b < m:
-                if f < m:
-                    order.append(("F", f))
-                    f += 1
-                order.append(("B", b))
-                b += 1
-            out.append(order)
-        return out
-
-    def make_ordered(m, kind, stamped):
+    def make_ordered(m, kind, stamped, labels):
         """Builds the ops of each stage's schedule in an order that respects the
         data (F0 -> F1 -> B1 -> B0 per micro-batch), each under a control
         dependency on the same stage's previous item, so each task's executor
         runs its stage's items in schedule order instead of whatever is ready
-        (e.g. every micro-batch's first layer before any second layer)."""
+        (e.g. every micro-batch's first layer before any second layer).
+        `labels` gets each item's (stage, kind, micro-batch) in build order,
+        the order of the returned [start, end] rows."""
         @tf.function
         def step(x):
             with tf.device(devs[0]):
@@ -231,12 +212,13 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
                                         for d in done]
                         with tf.control_dependencies(done):
                             end = tf.timestamp() if stamped else tf.constant(0.0, tf.float64)
-                    stamps.append((s, k, i, tf.stack([start, end])))
+                    stamps.append(tf.stack([start, end]))
+                    labels.append((s, k, i))
                     last[s] = end if stamped else tf.group(*done)
                     position[s] += 1
                     progressed = True
                 assert progressed, "schedule deadlock"
-            return [tf.stack([st for _, _, _, st in stamps])]
+            return [tf.stack(stamps)]
         return step
 
     # -- calls: per-stage functions, issued asynchronously ------------------------
@@ -333,15 +315,14 @@ def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
         for m in (1, microbatches):
             if mode in ("gpipe", "1f1b", "gpipe-nostamps", "1f1b-nostamps"):
                 kind, stamped = mode.split("-")[0], not mode.endswith("-nostamps")
-                step = make_ordered(m, kind, stamped)
+                labels = []   # filled while the step is traced
+                step = make_ordered(m, kind, stamped, labels)
                 step(x)[0].numpy()
                 start = time.perf_counter()
                 for _ in range(repeats):
                     out = step(x)
                 stamps = out[0].numpy()
                 seconds = (time.perf_counter() - start) / repeats
-                # the stamps are in build order; rebuild it to label them
-                labels = _build_order(schedule(m, kind))
                 t0 = stamps[:, 0].min()
                 makespan = stamps[:, 1].max() - t0
                 busy = float((stamps[:, 1] - stamps[:, 0]).sum())

@@ -105,7 +105,10 @@ def cut_points(model) -> list:
     """Indices k (into the layers `_graph` lists) after which exactly one tensor
     crosses from layers 0..k (and the inputs) to the layers after k or to the
     model's outputs: where a stage boundary may fall."""
-    inputs, outputs, layers, reads, makes = _graph(model)
+    return _cuts(*_graph(model))
+
+
+def _cuts(inputs, outputs, layers, reads, makes) -> list:
     made_by = {id(t): -1 for t in inputs}
     for k, tensors in enumerate(makes):
         for t in tensors:
@@ -130,8 +133,9 @@ def cut_points(model) -> list:
 def blocks(model, count_flops: bool = True) -> list:
     """The model's blocks (see the module doc), in order."""
     from tfdist.observe import flops as flops_lib
-    inputs, outputs, layers, reads, makes = _graph(model)
-    bounds = [-1, *cut_points(model), len(layers) - 1]
+    graph = _graph(model)
+    inputs, _, layers, _, makes = graph
+    bounds = [-1, *_cuts(*graph), len(layers) - 1]
     # One trace of the whole model, its FLOPs attributed to layers by name
     # scope (a sub-model per block would add nodes to the model's layers).
     per_layer = flops_lib.layer_flops(model, [layer.name for layer in layers]) \
