@@ -30,7 +30,8 @@ from tfdist.observe import summary as summary_lib
 from tfdist.training import optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
-from tfdist.strategies.capabilities import ServingProcesses, TensorSharding, capability
+from tfdist.strategies.capabilities import (PipelineStages, ServingProcesses, TensorSharding,
+                                            capability)
 from tfdist.mesh_model import MeshModel
 from tfdist.training.controller import Controller
 from tfdist.training.trainer import Trainer, total_steps
@@ -256,6 +257,9 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
                 if strategy.usage_error is not None:   # e.g. a bad layout rule
                     raise strategy.usage_error from None
                 raise
+        pipeline = capability(strategy, PipelineStages)
+        if pipeline:   # stages on their devices, before the optimizer's slots are made
+            pipeline.place_model(model)
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))
@@ -310,6 +314,24 @@ def _on_mesh(config, model_fn, dataset_fn, spec, layout_rules, fn):
         inputs = _inputs(config, dataset_fn, spec)
         model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
         return fn(strategy, model, optimizer)
+    finally:
+        strategy.close()
+
+
+def describe_stages(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None) -> str:
+    """`--print_stages`: the pipeline's stages (device, layers, parameters,
+    forward FLOPs) and what its schedule holds, for `config` (nothing trained)."""
+    strategies.check_name(config.strategy.name)
+    strategy = strategies.create(config.strategy)
+    if not isinstance(strategy, PipelineStages):
+        raise UsageError(f"--print_stages describes pipeline stages; --strategy="
+                         f"{config.strategy.name} has none (use --strategy=pipeline)")
+    strategy.setup()
+    try:
+        strategy.check_config(config)
+        inputs = _inputs(config, dataset_fn, spec)
+        model, _ = _build(config, strategy, model_fn, inputs, 1, None)
+        return strategy.stage_report(model)
     finally:
         strategy.close()
 

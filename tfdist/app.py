@@ -95,6 +95,9 @@ def main(argv: list[str]) -> None:
     strategies.check_cluster(config.strategy)
     models.check_name(config.model.name)
     from tfdist import api  # TensorFlow loads here, after the flags are known good
+    if tfdist_flags.print_stages():
+        print(api.describe_stages(config), flush=True)
+        return
     if tfdist_flags.print_layouts():
         print(api.describe_layouts(config), flush=True)
         return

@@ -727,3 +727,32 @@ def symbolic_calls(layer) -> int:
     if not isinstance(nodes, list):
         raise _changed("keras Layer._inbound_nodes", "is no longer a list")
     return len(nodes)
+
+
+def move_variable(variable, device: str) -> None:
+    """Move the storage of Keras variable `variable` to `device`, keeping the
+    Keras object (which layers, optimizers and checkpoints refer to).
+
+    What: a Keras 3 `Variable` on the TensorFlow backend keeps its storage, a
+    `tf.Variable`, in `_value`, and `_initialize(value)` adopts a given
+    `tf.Variable` as that storage. Why: pipeline stages (issue 22) must hold
+    their layers' variables on their own device, but a functional model's
+    variables are created when it is built, before the model can be split
+    (the split reads the built graph), and Keras has no public way to place a
+    built variable. A new `tf.Variable` with the old one's value, name,
+    trainability and aggregation is made on `device` and adopted; the old one
+    is freed. Verified on tensorflow 2.21.0, keras 3.15.1.
+    """
+    import tensorflow as tf
+    what = "keras Variable._value (its tf.Variable storage) and _initialize"
+    old = _require(variable, "_value", what)
+    adopt = _require(variable, "_initialize", what)
+    if not isinstance(old, tf.Variable):
+        raise _changed(what, f"holds {type(old).__name__}, not a tf.Variable")
+    with tf.device(device):
+        new = tf.Variable(old.read_value(), trainable=old.trainable,
+                          name=old.name.split(":")[0], aggregation=old.aggregation,
+                          synchronization=old.synchronization)
+    adopt(new)
+    if variable.value is not new:
+        raise _changed(what, "did not adopt the given tf.Variable")

@@ -89,6 +89,7 @@ class _Replace:
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")   # tfdist.pipeline.schedule.SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,13 @@ class StrategyConfig(_Replace):
     # last commit and go on, and ranks that join start from it.
     elastic: bool = False
     elastic_commit_every: int = 0
+    # pipeline: the model split into this many stages, one per device; the
+    # micro-batches (TrainConfig.accum_steps) flow through them on this
+    # schedule; the split balanced by FLOPs, or starting stages 2..S at these
+    # layer names.
+    pipeline_stages: int = 2
+    pipeline_schedule: str = "1f1b"
+    pipeline_split: tuple = ()
 
     def __post_init__(self):
         _positive("virtual_devices", self.virtual_devices, allow_none=True)
@@ -141,6 +149,12 @@ class StrategyConfig(_Replace):
         _non_negative("elastic_commit_every", self.elastic_commit_every)
         _one_of("task_type", self.task_type, TASK_TYPES)
         _non_negative("ps_shard_bytes", self.ps_shard_bytes)
+        _positive("pipeline_stages", self.pipeline_stages)
+        _one_of("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if isinstance(self.pipeline_split, str) or not all(
+                isinstance(n, str) and n for n in self.pipeline_split):
+            raise ConfigError(f"pipeline_split={self.pipeline_split!r} must be a tuple of "
+                              "layer names, e.g. ('block_2',)")
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"zero_stage={self.zero_stage!r} is not a ZeRO stage; valid: "
                               f"{', '.join(map(str, ZERO_STAGES))}")

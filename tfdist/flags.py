@@ -123,6 +123,26 @@ _PRINT_LAYOUTS = flags.DEFINE_boolean(
     "dtensor: print every variable's path, global shape, sharding spec and per-device "
     "bytes (and the per-device totals) for --model and --mesh, then exit.")
 
+_PIPELINE_STAGES = flags.DEFINE_integer(
+    "pipeline_stages", _STRATEGY_DEFAULTS.pipeline_stages,
+    "pipeline: split the model into this many stages, one per device (with more devices, "
+    "a multiple of S: devices/S pipeline replicas); the split is balanced by FLOPs over "
+    "the model's blocks unless --pipeline_split names where stages begin.", lower_bound=1)
+_PIPELINE_SCHEDULE = flags.DEFINE_enum(
+    "pipeline_schedule", _STRATEGY_DEFAULTS.pipeline_schedule,
+    list(config_lib.PIPELINE_SCHEDULES),
+    "pipeline: the order of each stage's forward and backward passes over the "
+    "--microbatches: 1f1b (one forward, one backward in turn: each stage holds at most "
+    "S micro-batches' activations) or gpipe (every forward, then every backward: M).")
+_PIPELINE_SPLIT = flags.DEFINE_list(
+    "pipeline_split", list(_STRATEGY_DEFAULTS.pipeline_split),
+    "pipeline: the layer names where stages 2..S begin (S-1 names, in model order; each "
+    "must begin a block, where one tensor crosses); default: balanced by FLOPs.")
+_PRINT_STAGES = flags.DEFINE_boolean(
+    "print_stages", False,
+    "pipeline: print each stage's device, layers, parameters and forward FLOPs for --model "
+    "and --pipeline_stages, then exit.")
+
 _MODEL = flags.DEFINE_string("model", _MODEL_DEFAULTS.name, "Model builder: mlp, cnn, transformer.")
 _MODEL_WIDTH = flags.DEFINE_integer(
     "model_width", _MODEL_DEFAULTS.width, "Hidden units (mlp), base channels (cnn), model dim (transformer).", lower_bound=1,
@@ -158,7 +178,10 @@ _STEPS_PER_LOOP = flags.DEFINE_integer(
     "steps_per_loop", _TRAIN_DEFAULTS.steps_per_loop, "Steps run inside one tf.function call between host syncs.", lower_bound=1)
 _ACCUM_STEPS = flags.DEFINE_integer(
     "accum_steps", _TRAIN_DEFAULTS.accum_steps, "Micro-batches per update (gradient accumulation); gradients are reduced "
-    "across replicas once per update.", lower_bound=1)
+    "across replicas once per update. Under --strategy=pipeline (alias --microbatches): "
+    "the micro-batches that flow through the stages.", lower_bound=1)
+# The pipeline's name for the same number (GPipe's M).
+_MICROBATCHES = flags.DEFINE_alias("microbatches", "accum_steps")
 _GRAD_COMPRESSION = flags.DEFINE_enum(
     "grad_compression", _TRAIN_DEFAULTS.grad_compression, list(config_lib.GRAD_COMPRESSION),
     "Cast gradients to this dtype for the cross-replica sum (halves the bytes reduced), "
@@ -282,14 +305,14 @@ HELP_GROUPS = {title: tuple(holder.name for holder in holders) for title, holder
     "engine and cluster": (
         _STRATEGY, _VIRTUAL_DEVICES, _WORKER_HOSTS, _TASK_INDEX, _PS_HOSTS, _TASK_TYPE,
         _PS_SHARD_BYTES, _COLLECTIVE, _BYTES_PER_PACK, _MESH, _ZERO_STAGE, _SHARD_OPTIMIZER_STATE,
-        _PRINT_LAYOUTS),
+        _PRINT_LAYOUTS, _PIPELINE_STAGES, _PIPELINE_SCHEDULE, _PIPELINE_SPLIT, _PRINT_STAGES),
     "model and data": (
         _MODEL, _MODEL_WIDTH, _MODEL_DEPTH, _NUM_HEADS, _DATASET, _DATA_DIR, _SYNTHETIC,
         _IMAGE_SIZE, _VOCAB_SIZE, _SEQUENCE_LENGTH, _AUTOSHARD, _SHUFFLE_BUFFER),
     "training": (
         _GLOBAL_BATCH_SIZE, _TRAIN_STEPS, _EPOCHS, _OPTIMIZER, _LEARNING_RATE, _MOMENTUM,
         _WEIGHT_DECAY, _LR_SCALING, _BASE_BATCH_SIZE, _WARMUP_STEPS, _LR_DECAY,
-        _CLIP_GRAD_NORM, _ACCUM_STEPS, _LOSS, _LABEL_SMOOTHING, _METRICS, _EVAL_EVERY, _SEED),
+        _CLIP_GRAD_NORM, _ACCUM_STEPS, _MICROBATCHES, _LOSS, _LABEL_SMOOTHING, _METRICS, _EVAL_EVERY, _SEED),
     "precision and speed": (
         _PRECISION, _LOSS_SCALE_GROWTH_STEPS, _JIT_COMPILE, _RECOMPUTE, _GRAD_COMPRESSION,
         _REDUCE_BUCKET_MB, _STEPS_PER_LOOP, _PROFILE_STEPS, _PROFILE_ALL_RANKS),
@@ -334,7 +357,10 @@ def run_config() -> config_lib.RunConfig:
                 ps_shard_bytes=_PS_SHARD_BYTES.value,
                 shard_optimizer_state=_SHARD_OPTIMIZER_STATE.value,
                 zero_stage=int(_ZERO_STAGE.value),
-                elastic=_ELASTIC.value, elastic_commit_every=_ELASTIC_COMMIT_EVERY.value),
+                elastic=_ELASTIC.value, elastic_commit_every=_ELASTIC_COMMIT_EVERY.value,
+                pipeline_stages=_PIPELINE_STAGES.value,
+                pipeline_schedule=_PIPELINE_SCHEDULE.value,
+                pipeline_split=tuple(_PIPELINE_SPLIT.value)),
             model=config_lib.ModelConfig(
                 name=_MODEL.value, width=_MODEL_WIDTH.value, depth=_MODEL_DEPTH.value,
                 num_heads=_NUM_HEADS.value, recompute=_RECOMPUTE.value),
@@ -371,6 +397,11 @@ def run_config() -> config_lib.RunConfig:
         )
     except config_lib.ConfigError as error:  # a rule flags alone cannot express
         raise UsageError(str(error)) from None
+
+
+def print_stages() -> bool:
+    """--print_stages: describe the pipeline's stages and exit instead of training."""
+    return _PRINT_STAGES.value
 
 
 def print_layouts() -> bool:

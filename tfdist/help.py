@@ -104,7 +104,13 @@ def _entry(flag: flags.Flag, choices, width: int) -> list[str]:
         synopsis += f" (-{flag.short_name})"
     facts = "; ".join(part for part in (f"default: {_default(flag)}", _valid(flag)) if part)
     head = f"  {synopsis}  [{facts}]"
-    lines = textwrap.wrap(head, width, subsequent_indent=" " * 6, break_on_hyphens=False)
+    if len(head) <= width:
+        lines = [head]
+    else:   # the facts whole on the next line(s) rather than broken after "default:"
+        lines = textwrap.wrap(f"  {synopsis}", width, subsequent_indent=" " * 6,
+                              break_on_hyphens=False)
+        lines += textwrap.wrap(f"[{facts}]", width, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6, break_on_hyphens=False)
     text = " ".join((flag.help or "").split())
     if isinstance(flag.parser, flags.EnumParser):   # absl prefixes "<a|b|c>: "; shown above
         text = text.removeprefix(f"<{'|'.join(flag.parser.enum_values)}>: ")

@@ -108,7 +108,7 @@ def cut_points(model) -> list:
     return _cuts(*_graph(model))
 
 
-def _cuts(inputs, outputs, layers, reads, makes) -> list:
+def _cuts(inputs, outputs, layers, reads, makes, crossing_tensors=None) -> list:
     made_by = {id(t): -1 for t in inputs}
     for k, tensors in enumerate(makes):
         for t in tensors:
@@ -127,7 +127,36 @@ def _cuts(inputs, outputs, layers, reads, makes) -> list:
                     if made <= k and last_read.get(key, -1) > k}
         if len(crossing) == 1:
             cuts.append(k)
+            if crossing_tensors is not None:
+                crossing_tensors[k] = crossing.pop()
     return cuts
+
+
+def stage_models(model, stages: list) -> list:
+    """One Keras model per stage, sharing `model`'s layers (and so its
+    variables): stage 0 takes the model's inputs, stage s its predecessor's
+    boundary tensor, and the last stage returns the model's outputs.
+
+    Keras builds these by cloning the graph's nodes between the boundary
+    tensors, which adds a symbolic call to each layer, so split first (the
+    split refuses layers called at several places): `split` then `stage_models`.
+    """
+    import keras
+    inputs, outputs, layers, reads, makes = _graph(model)
+    tensors = {id(t): t for group in [inputs, *makes] for t in group}
+    crossing = {}
+    _cuts(inputs, outputs, layers, reads, makes, crossing)
+    position = {layer.name: k for k, layer in enumerate(layers)}
+    built = []
+    stage_input = model.input
+    for s, stage in enumerate(stages):
+        if s == len(stages) - 1:
+            stage_output = model.output
+        else:
+            stage_output = tensors[crossing[position[stage.layers[-1]]]]
+        built.append(keras.Model(stage_input, stage_output, name=f"{model.name}_stage{s}"))
+        stage_input = stage_output
+    return built
 
 
 def blocks(model, count_flops: bool = True) -> list:
@@ -222,8 +251,11 @@ def _named_starts(model_name, found, names, stages) -> list:
 
 
 def _balanced_starts(costs, ties, stages) -> list:
-    """Start indices of `stages` contiguous groups minimising the largest
-    group's cost (then the largest group's tie-break sum): linear partition."""
+    """Start indices of `stages` contiguous groups: first the smallest
+    possible largest group (by cost, then by the tie-break), then, among the
+    splits that keep every group within it, the most even one (least sum of
+    squared costs, then tie-breaks). Without the second step a dominant block
+    leaves the split free to give another stage nothing at all."""
     n = len(costs)
     prefix, tprefix = [0], [0]
     for c, t in zip(costs, ties):
@@ -233,20 +265,31 @@ def _balanced_starts(costs, ties, stages) -> list:
     def cost(i, j):
         return (prefix[j] - prefix[i], tprefix[j] - tprefix[i])
 
-    inf = (float("inf"), float("inf"))
-    # best[s][j]: (worst group cost, starts) for the first j blocks in s groups
-    best = [[(inf, None)] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = ((0, 0), [])
-    for s in range(1, stages + 1):
-        for j in range(s, n + 1):
-            for i in range(s - 1, j):
-                prior, starts = best[s - 1][i]
-                if starts is None:
-                    continue
-                worst = max(prior, cost(i, j))
-                if worst < best[s][j][0]:
-                    best[s][j] = (worst, starts + [i])
-    return best[stages][n][1]
+    def partition(score, combine, allowed):
+        """best[s][j]: (score, starts) of the first j blocks in s groups."""
+        inf = (float("inf"), float("inf"))
+        best = [[(inf, None)] * (n + 1) for _ in range(stages + 1)]
+        best[0][0] = ((0, 0), [])
+        for s in range(1, stages + 1):
+            for j in range(s, n + 1):
+                for i in range(s - 1, j):
+                    prior, starts = best[s - 1][i]
+                    if starts is None or not allowed(i, j):
+                        continue
+                    value = combine(prior, score(i, j))
+                    if value < best[s][j][0]:
+                        best[s][j] = (value, starts + [i])
+        return best[stages][n]
+
+    worst, _ = partition(cost, max, lambda i, j: True)
+
+    def squares(i, j):
+        c, t = cost(i, j)
+        return (c * c, t * t)
+
+    _, starts = partition(squares, lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                          lambda i, j: cost(i, j)[0] <= worst[0])
+    return starts
 
 
 def table(found_stages: list) -> str:

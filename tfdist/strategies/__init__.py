@@ -17,6 +17,7 @@ _REGISTRY = Registry("--strategy", "strategy", {
     "horovod": "tfdist.strategies.horovod:HorovodStrategy",
     "dtensor": "tfdist.strategies.dtensor:DTensorStrategy",
     "parameter_server": "tfdist.strategies.parameter_server:ParameterServerStrategy",
+    "pipeline": "tfdist.strategies.pipeline:PipelineStrategy",
 })
 names = _REGISTRY.names
 check_name = _REGISTRY.check

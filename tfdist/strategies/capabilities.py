@@ -137,3 +137,29 @@ class ServingProcesses(Capability):
     def serve_if_server(self) -> bool:
         """If this process is such a server, serve until the job ends and
         return True (the caller then trains nothing here); else False."""
+
+
+class PipelineStages(Capability):
+    """The model is split into stages (`tfdist.pipeline.split`), each stage's
+    layers, variables and optimizer slots on its own device, and micro-batches
+    flow through the stages on a schedule (GPipe or 1F1B). The engine places
+    the model once it is built, before its optimizer is (so that the slots
+    land beside their variables), and computes a replica's gradients over its
+    micro-batches in place of the trainer's accumulation loop; the trainer's
+    reduction and update are unchanged."""
+
+    @abc.abstractmethod
+    def place_model(self, model) -> None:
+        """Split `model` into stages and move each stage's variables to its
+        device. `UsageError` for a model that cannot be split so."""
+
+    @abc.abstractmethod
+    def local_gradients(self, losses, x, y, weight):
+        """This replica's `trainer.LocalGradients` over its micro-batches (the
+        batch split into --accum_steps parts), computed stage by stage.
+        `losses` (`trainer.MicroBatchLoss`) says how a micro-batch's loss,
+        counters and regularization are formed, exactly as without stages."""
+
+    @abc.abstractmethod
+    def stage_report(self, model) -> str:
+        """A table of the stages: devices, layers, parameter bytes, FLOPs."""

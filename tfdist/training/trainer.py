@@ -19,7 +19,8 @@ import tensorflow as tf
 
 from tfdist.errors import UsageError, first_line
 from tfdist.strategies.base import Strategy
-from tfdist.strategies.capabilities import ScheduledSteps, TensorSharding, capability
+from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, TensorSharding,
+                                            capability)
 from tfdist.training import nonfinite, xla
 from tfdist.training.compression import GradientCompression
 from tfdist.training.precision import Precision
@@ -44,6 +45,39 @@ class LocalGradients(NamedTuple):
     regularization: list
     counters: tf.Tensor
     provisional_divisor: Optional[tf.Tensor]
+
+
+class MicroBatchLoss:
+    """How the trainer forms one micro-batch's loss, for an engine that runs
+    the forward and backward passes itself (`PipelineStages`): the same
+    scaling, counters and regularization as `Trainer._micro_batch_gradients`."""
+
+    def __init__(self, trainer: "Trainer"):
+        self._trainer = trainer
+        self.micro_batches = trainer.train_config.accum_steps
+        self.variables = trainer.model.trainable_variables
+        self._final = True
+
+    def loss(self, y, y_pred, weight):
+        """(the micro-batch's share of the global loss, its counters, whether
+        that share is final: False when the divisor depends on the data and
+        the gradients are rescaled after the sum, `LocalGradients`)."""
+        loss, counters, global_divisor = self._trainer._loss_and_counters(y, y_pred, weight)
+        self._final = bool(global_divisor)
+        return loss, counters, self._final
+
+    def regularization(self, losses):
+        """A micro-batch's share of regularization losses `losses`."""
+        return self._trainer._regularization_share(losses)
+
+    def scale(self, loss):
+        """The loss as differentiated (scaled by a mixed_float16 loss scale)."""
+        return self._trainer.optimizer.scale_loss(loss)
+
+    def provisional_divisor(self):
+        """`LocalGradients.provisional_divisor` for the losses formed so far."""
+        return None if self._final else tf.constant(
+            float(self._trainer.global_batch_size), tf.float32)
 
 
 def _dense(grads) -> list:
@@ -94,6 +128,7 @@ class Trainer:
         self.bytes_per_update = self.compression.bytes_per_update(model.trainable_variables)
         self.jit_level = jit_level
         self.sharded = capability(strategy, TensorSharding)
+        self.pipeline = capability(strategy, PipelineStages)
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -159,19 +194,30 @@ class Trainer:
     def _compute_scope(self):
         return self.sharded.compute_scope() if self.sharded else contextlib.nullcontext()
 
+    def _loss_and_counters(self, y, y_pred, weight):
+        """(this micro-batch's share of the global data loss, its counters, the
+        global divisor or None where it depends on the data)."""
+        numerator, divisor, global_divisor = self.task.loss_terms(
+            y, y_pred, weight, tf.ones(tf.shape(weight)[:1]))
+        # Scale by the *global* divisor, so summing over replicas and
+        # micro-batches gives the gradient of the global loss (or, when it
+        # depends on the data, by the global batch and rescale later).
+        loss = numerator / (global_divisor or self.global_batch_size)
+        counters = tf.concat([tf.stack([numerator, divisor]),
+                              self.task.metric_deltas(y, y_pred, weight)], axis=0)
+        return loss, counters, global_divisor
+
+    def _regularization_share(self, losses):
+        """One copy's and micro-batch's share of the regularization `losses`."""
+        return tf.add_n(losses) / (self.strategy.step_copies * self.train_config.accum_steps)
+
     def _micro_batch_gradients_in_scope(self, x, y, weight, variables) -> LocalGradients:
         with tf.GradientTape(persistent=True) as tape:
             y_pred = self.model(x, training=True)
-            numerator, divisor, global_divisor = self.task.loss_terms(
-                y, y_pred, weight, tf.ones(tf.shape(weight)[:1]))
-            # Scale by the *global* divisor, so summing over replicas and
-            # micro-batches gives the gradient of the global loss (or, when it
-            # depends on the data, by the global batch and rescale later).
-            loss = numerator / (global_divisor or self.global_batch_size)
+            loss, counters, global_divisor = self._loss_and_counters(y, y_pred, weight)
             regularization = None
             if self.model.losses:
-                regularization = tf.add_n(self.model.losses) / (
-                    self.strategy.step_copies * self.train_config.accum_steps)
+                regularization = self._regularization_share(self.model.losses)
                 if global_divisor:
                     loss += regularization
             # Identity unless the optimizer scales losses (mixed_float16): then
@@ -187,14 +233,15 @@ class Trainer:
         if self.sharded:
             grads = self.sharded.shard_gradients(grads, variables)
             separate = self.sharded.shard_gradients(separate, variables) if separate else []
-        counters = tf.concat([tf.stack([numerator, divisor]),
-                              self.task.metric_deltas(y, y_pred, weight)], axis=0)
         provisional = None if global_divisor else tf.constant(
             float(self.global_batch_size), tf.float32)
         return LocalGradients(grads, separate, counters, provisional)
 
     def _local_gradients(self, x, y, weight) -> LocalGradients:
         """This replica's gradients summed over its micro-batches."""
+        if self.pipeline:   # micro-batches through the stages, on the engine's schedule
+            with self._compute_scope():
+                return self.pipeline.local_gradients(MicroBatchLoss(self), x, y, weight)
         k = self.train_config.accum_steps
         if k == 1:
             return self._micro_batch_gradients(x, y, weight)

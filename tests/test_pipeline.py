@@ -1,0 +1,226 @@
+"""The pipeline engine (issue 22) on virtual CPU devices: one update equals
+gradient accumulation of the same micro-batches on one device, stages hold
+their own variables and slots, checkpoints are whole, bad input is one line.
+
+Virtual CPUs share one process's threadpool, so these runs prove correctness
+and placement only; speed needs a process per stage (bench/).
+
+Tolerance: the pipeline runs the same kernels on the same micro-batches as
+accumulation on one device, but differentiates each stage apart (a stage's
+backward starts from its output's gradient) and, with R pipeline replicas,
+adds the replicas' gradients in another order: float32 rounding moves. Seen
+after three Adam steps at lr 0.01: the mlp and the cnn bit-identical with
+R=1, 5e-7 with R=2; the transformer 3e-8 on weights of order 0.03-0.5, and
+up to 1.5e-6 on the attention key biases, whose true gradient is exactly
+zero (softmax ignores a shift shared by all keys), so their gradient is
+rounding noise that Adam, which normalises by the gradient's size, turns into
+steps of its own. 1e-5 absolute (1e-3 of one Adam step of lr 0.01) and 1e-5
+relative bound that, while a wrong gradient (a micro-batch dropped or counted
+twice, a stage's gradient scaled) moves weights by ~1e-3.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist import compat
+from tfdist.errors import UsageError
+from tfdist.pipeline import schedule
+
+from common import (IMAGE_SPEC, TOKEN_SPEC, assert_weights_close, image_dataset_fn, run_cli_cases,
+                    run_config, token_dataset_fn)
+
+
+def _config(strategy, *, model="mlp", depth=3, devices=2, stages=2, sched="1f1b",
+            precision="float32", clip=None, recompute=False, steps=3, model_dir=None,
+            split=(), microbatches=4, batch=32):
+    config = run_config(strategy, optimizer="adam", learning_rate=0.01, steps=steps, batch=batch,
+                        model=model, depth=depth, width=16, accum_steps=microbatches,
+                        precision=precision, model_dir=model_dir,
+                        checkpoint_every=steps if model_dir else 0)
+    return config.replace(
+        model=config.model.replace(recompute=recompute, num_heads=2),
+        optimizer=config.optimizer.replace(clip_grad_norm=clip),
+        strategy=config.strategy.replace(virtual_devices=devices, pipeline_stages=stages,
+                                         pipeline_schedule=sched, pipeline_split=split))
+
+
+def _train(config):
+    tokens = config.model.name == "transformer"
+    return tfdist.train(config, dataset_fn=token_dataset_fn if tokens else image_dataset_fn,
+                        spec=TOKEN_SPEC if tokens else IMAGE_SPEC)
+
+
+# (model, extra settings, [(devices, stages, schedule)]): each row's pipeline
+# runs against one accumulation run of the same settings on one device.
+CASES = {
+    "mlp": ("mlp", {}, [(2, 2, "1f1b"), (4, 4, "gpipe"), (4, 2, "1f1b")]),
+    "transformer": ("transformer", {"depth": 3, "microbatches": 2},
+                    [(2, 2, "gpipe"), (4, 4, "1f1b")]),
+    "cnn bf16 clip recompute": ("cnn", {"depth": 1, "precision": "mixed_bfloat16", "clip": 0.05,
+                                        "recompute": True}, [(2, 2, "1f1b"), (2, 2, "gpipe")]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_update_equals_accumulating_the_micro_batches_on_one_device(case):
+    model, settings, runs = CASES[case]
+    depth = settings.get("depth", 4)
+    extra = {k: v for k, v in settings.items() if k != "depth"}
+    reference = _train(_config("default", model=model, depth=depth, **extra))
+    for devices, stages, sched in runs:
+        result = _train(_config("pipeline", model=model, depth=depth, devices=devices,
+                                stages=stages, sched=sched, **extra))
+        summary = result.summary
+        assert summary["pipeline_stages"] == stages, summary
+        assert summary["pipeline_replicas"] == devices // stages
+        assert summary["microbatches"] == extra.get("microbatches", 4)
+        # every layer with weights is on exactly one stage
+        placed = [name for layers in summary["stage_layers"] for name in layers]
+        assert sorted(placed) == sorted({layer.name for layer in result.model.layers
+                                         if type(layer).__name__ != "InputLayer"})
+        # trainable weights: BatchNorm's moving statistics (non-trainable) take
+        # recompute's second update in another order under a pipeline
+        # (tfdist/models/blocks.py), which no gradient reads.
+        assert_weights_close([w.numpy() for w in reference.model.trainable_weights],
+                             [w.numpy() for w in result.model.trainable_weights], atol=1e-5)
+        if not extra.get("recompute"):
+            assert_weights_close([w.numpy() for w in reference.model.weights],
+                                 [w.numpy() for w in result.model.weights], atol=1e-5)
+        assert summary["loss"] == pytest.approx(reference.summary["loss"], rel=1e-5)
+        assert summary["train_accuracy"] == pytest.approx(reference.summary["train_accuracy"],
+                                                          rel=1e-5)
+        if not extra.get("recompute"):   # evaluation reads the moving statistics
+            assert summary["test_loss"] == pytest.approx(reference.summary["test_loss"],
+                                                         rel=1e-5)
+
+
+def test_each_stage_holds_its_variables_and_their_optimizer_slots():
+    result = _train(_config("pipeline", devices=4, stages=4, depth=4))
+    strategy = result.strategy
+    momentums, velocities = compat.adam_slots(result.optimizer)
+    stage_of = {name: s for s, layers in enumerate(result.summary["stage_layers"])
+                for name in layers}
+    seen = set()
+    for variable in result.model.trainable_variables:
+        layer = variable.path.split("/")[0]
+        device = strategy.stage_device(stage_of[layer])
+        seen.add(device)
+        index = compat.variable_index(result.optimizer, variable)
+        for held in (variable, momentums[index], velocities[index]):
+            assert held.value.device.endswith(device.split("device:")[-1]), \
+                (variable.path, held.value.device, device)
+    assert len(seen) == 4
+    # control: the same model under default has every variable on one device
+    single = _train(_config("default", depth=4))
+    assert len({v.value.device for v in single.model.trainable_variables}) == 1
+
+
+def test_schedules_bound_the_micro_batches_in_flight():
+    # 1F1B holds at most S - s micro-batches on stage s; GPipe holds all M.
+    assert schedule.peak_in_flight(schedule.schedule(8, "1f1b", 4)) == [4, 3, 2, 1]
+    assert schedule.peak_in_flight(schedule.schedule(8, "gpipe", 4)) == [8, 8, 8, 8]
+    for kind in ("1f1b", "gpipe"):
+        plan = schedule.schedule(5, kind, 3)
+        order = schedule.build_order(plan)
+        assert sorted(order) == sorted((s, k, i) for s in range(3) for k in "FB"
+                                       for i in range(5))
+        for s, k, i in order:   # every item after its inputs
+            before = order[:order.index((s, k, i))]
+            if k == "F" and s:
+                assert (s - 1, "F", i) in before
+            if k == "B":
+                assert (s, "F", i) in before
+                assert s == 2 or (s + 1, "B", i) in before
+    assert schedule.bubble(2, 8) == pytest.approx(1 / 9)
+
+
+def test_checkpoints_are_whole_and_resume_under_another_engine(tmp_path):
+    # 3 pipeline steps, then 3 more under default from its checkpoint, equal 6
+    # pipeline steps; and the reverse (default first, pipeline resumes).
+    straight = _train(_config("pipeline", steps=6))
+    for first, then in (("pipeline", "default"), ("default", "pipeline")):
+        model_dir = str(tmp_path / first)
+        _train(_config(first, steps=3, model_dir=model_dir))
+        resumed = _train(_config(then, steps=6, model_dir=model_dir))
+        assert resumed.summary["steps"] == 6
+        assert_weights_close([w.numpy() for w in straight.model.weights],
+                             [w.numpy() for w in resumed.model.weights])
+
+
+def test_a_named_split_and_an_export(tmp_path):
+    result = _train(_config("pipeline", depth=4, split=("hidden_2",)))
+    assert result.summary["stage_layers"][1][0] == "hidden_2"
+    export = tfdist.export(result, str(tmp_path / "export"))
+    loaded = keras.saving.load_model(export["keras"])
+    x = np.random.default_rng(0).normal(size=(4, *IMAGE_SPEC.input_shape)).astype("float32")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), result.model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(stages=3, devices=4), "--pipeline_stages=3 does not divide onto the 4 local"),
+    (dict(stages=2, devices=2, batch=30), "--global_batch_size=30 must be divisible by "
+                                          "pipeline replicas (1) x --microbatches (4)"),
+    (dict(stages=4, devices=4, depth=1), "--pipeline_stages=4: model 'mlp' splits into only 3"),
+    (dict(split=("nope",)), "pipeline_split=nope: model 'mlp' has no layer 'nope'"),
+])
+def test_bad_pipeline_settings_are_one_line(changes, expected):
+    with pytest.raises(UsageError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        _train(_config("pipeline", **changes))
+
+
+def test_the_cli_prints_stages_and_refuses_bad_input_before_training():
+    base = ["--strategy=pipeline", "--model=mlp", "--model_depth=3", "--microbatches=4",
+            "--global_batch_size=32", "--train_steps=1"]
+    stages, subclassed_split, flag = run_cli_cases([
+        [*base, "--print_stages"],
+        [*base, "--pipeline_split=hidden_1,logits"],
+        [*base, "--pipeline_schedule=zigzag"],
+    ])
+    assert stages.returncode == 0, stages.stderr[-2000:]
+    assert "stage 0 on /device:CPU:0" in stages.stdout and "hidden_0" in stages.stdout
+    assert "ideal bubble" in stages.stdout
+    for result, text in ((subclassed_split, "2 stages need 1 layer name"),
+                         (flag, "pipeline_schedule")):
+        assert result.returncode == 2, result.stderr[-2000:]
+        lines = [line for line in result.stderr.splitlines() if "tfdist-train" in line]
+        assert len(lines) == 1 and text in lines[0], result.stderr[-2000:]
+        assert "step 1/" not in result.stderr
+
+
+def test_a_stage_fault_names_the_stage_and_its_device(tmp_path):
+    def model_fn(spec):
+        inputs = keras.Input(spec.input_shape)
+        x = keras.layers.Flatten(name="flatten")(inputs)
+        x = keras.layers.Dense(8, name="first")(x)
+        # raises in the forward pass of stage 1, at run time
+        x = keras.layers.Lambda(lambda t: t + tf_check(t), name="faulty")(x)
+        return keras.Model(inputs, keras.layers.Dense(IMAGE_SPEC.num_classes, name="out")(x))
+
+    import tensorflow as tf
+
+    def tf_check(t):
+        tf.debugging.assert_less(tf.reduce_max(t), -1e9, message="stage fault")
+        return tf.zeros_like(t)
+
+    config = _config("pipeline", split=("faulty",))
+    with pytest.raises(tfdist.WorkerFault if hasattr(tfdist, "WorkerFault") else Exception,
+                       match=r"pipeline stage 1 on /device:CPU:1 \(forward of micro-batch 0\)"):
+        tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+
+
+def test_a_subclassed_model_is_refused_in_one_line():
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(IMAGE_SPEC.num_classes)
+
+        def call(self, x):
+            return self.dense(keras.ops.reshape(x, (keras.ops.shape(x)[0], -1)))
+
+    with pytest.raises(UsageError, match="is not a functional Keras model"):
+        tfdist.train(_config("pipeline"), model_fn=lambda spec: Sub(),
+                     dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
+
