@@ -174,16 +174,18 @@ def test_bad_pipeline_settings_are_one_line(changes, expected):
 def test_the_cli_prints_stages_and_refuses_bad_input_before_training():
     base = ["--strategy=pipeline", "--model=mlp", "--model_depth=3", "--microbatches=4",
             "--global_batch_size=32", "--train_steps=1"]
-    stages, subclassed_split, flag = run_cli_cases([
+    stages, two_names, flag, both = run_cli_cases([
         [*base, "--print_stages"],
         [*base, "--pipeline_split=hidden_1,logits"],
         [*base, "--pipeline_schedule=zigzag"],
+        [*base, "--accum_steps=2"],
     ])
     assert stages.returncode == 0, stages.stderr[-2000:]
     assert "stage 0 on /device:CPU:0" in stages.stdout and "hidden_0" in stages.stdout
     assert "ideal bubble" in stages.stdout
-    for result, text in ((subclassed_split, "2 stages need 1 layer name"),
-                         (flag, "pipeline_schedule")):
+    for result, text in ((two_names, "2 stages need 1 layer name"),
+                         (flag, "pipeline_schedule"),
+                         (both, "--microbatches=4 and --accum_steps=2 name the same number")):
         assert result.returncode == 2, result.stderr[-2000:]
         lines = [line for line in result.stderr.splitlines() if "tfdist-train" in line]
         assert len(lines) == 1 and text in lines[0], result.stderr[-2000:]

@@ -69,7 +69,7 @@ _WORKER_HOSTS = flags.DEFINE_list(
     "(the same list on every host); TF_CONFIG is written from it.")
 _TASK_INDEX = flags.DEFINE_integer(
     "task_index", None, "multi_worker: this host's index in --worker_hosts; parameter_server: "
-    "its index in the list --task_type names.", lower_bound=0)
+    "its index in the list --task_type names.", lower_bound=0, upper_bound=config_lib.INT_MAX)
 _PS_HOSTS = flags.DEFINE_list(
     "ps_hosts", list(_STRATEGY_DEFAULTS.ps_hosts), "parameter_server without TF_CONFIG: every "
     "parameter server's host:port (with --worker_hosts, whose first entry is the chief).")
@@ -178,10 +178,14 @@ _STEPS_PER_LOOP = flags.DEFINE_integer(
     "steps_per_loop", _TRAIN_DEFAULTS.steps_per_loop, "Steps run inside one tf.function call between host syncs.", lower_bound=1)
 _ACCUM_STEPS = flags.DEFINE_integer(
     "accum_steps", _TRAIN_DEFAULTS.accum_steps, "Micro-batches per update (gradient accumulation); gradients are reduced "
-    "across replicas once per update. Under --strategy=pipeline (alias --microbatches): "
+    "across replicas once per update. Under --strategy=pipeline (or --microbatches): "
     "the micro-batches that flow through the stages.", lower_bound=1)
-# The pipeline's name for the same number (GPipe's M).
-_MICROBATCHES = flags.DEFINE_alias("microbatches", "accum_steps")
+# The pipeline's name for the same number (GPipe's M). Its own flag, not an
+# absl alias, so that an error names the flag the user gave.
+_MICROBATCHES = flags.DEFINE_integer(
+    "microbatches", None, "pipeline: the micro-batches that flow through the stages per "
+    "update (GPipe's M); the same number as --accum_steps, which it sets.", lower_bound=1,
+    upper_bound=config_lib.INT_MAX)
 _GRAD_COMPRESSION = flags.DEFINE_enum(
     "grad_compression", _TRAIN_DEFAULTS.grad_compression, list(config_lib.GRAD_COMPRESSION),
     "Cast gradients to this dtype for the cross-replica sum (halves the bytes reduced), "
@@ -346,6 +350,12 @@ def run_config() -> config_lib.RunConfig:
     train_steps = _TRAIN_STEPS.value
     if train_steps is None and _EPOCHS.value is None:
         train_steps = _DEFAULT_TRAIN_STEPS
+    accum_steps = _ACCUM_STEPS.value
+    if _MICROBATCHES.value is not None:
+        if _ACCUM_STEPS.present and accum_steps != _MICROBATCHES.value:
+            raise UsageError(f"--microbatches={_MICROBATCHES.value} and --accum_steps="
+                             f"{accum_steps} name the same number; give one of them")
+        accum_steps = _MICROBATCHES.value
     try:
         return config_lib.RunConfig(
             strategy=config_lib.StrategyConfig(
@@ -378,7 +388,7 @@ def run_config() -> config_lib.RunConfig:
             train=config_lib.TrainConfig(
                 global_batch_size=_GLOBAL_BATCH_SIZE.value, train_steps=train_steps,
                 epochs=_EPOCHS.value, steps_per_loop=_STEPS_PER_LOOP.value,
-                accum_steps=_ACCUM_STEPS.value, grad_compression=_GRAD_COMPRESSION.value,
+                accum_steps=accum_steps, grad_compression=_GRAD_COMPRESSION.value,
                 precision=_PRECISION.value,
                 loss_scale_growth_steps=_LOSS_SCALE_GROWTH_STEPS.value,
                 eval_every=_EVAL_EVERY.value,
