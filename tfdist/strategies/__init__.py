@@ -35,6 +35,7 @@ _CLUSTER_CHECKS = {
     "multi_worker": functools.partial(cluster.check_workers, required=True),
     "dtensor": functools.partial(cluster.check_workers, required=False),
     "parameter_server": cluster.check_ps,
+    "pipeline": functools.partial(cluster.check_workers, required=False),
 }
 
 

@@ -163,3 +163,10 @@ class PipelineStages(Capability):
     @abc.abstractmethod
     def stage_report(self, model) -> str:
         """A table of the stages: devices, layers, parameter bytes, FLOPs."""
+
+    def state_share(self, variable, value):
+        """This process's part of the sum of non-trainable state `variable`
+        (now `value`) over the step's copies, which the trainer divides by
+        `step_copies`: where only some processes run `variable`'s stage, they
+        contribute scaled values and the others zeros. Default: `value`."""
+        return value

@@ -12,11 +12,25 @@ wherever the data allows. With more devices than stages (a multiple of S),
 R = devices / S pipeline replicas each take 1/R of the batch, and their
 gradients are summed before the one update.
 
-Where it runs: local GPUs, or the logical CPUs of --virtual_devices. Logical
-CPUs share one process's threadpool, so they prove correctness and placement
-but never speed (measured: ../shared/probes/pipeline_overlap.py, and the
-README's pipeline section); the speed of real CPU stages needs a process per
-stage (bench/pipeline_p2p_probe.py).
+Where it runs:
+- in one process (no cluster): stage s on local device s: GPUs, or the
+  logical CPUs of --virtual_devices. Logical CPUs share one process's
+  threadpool, so they prove correctness and placement but never speed
+  (README, "Pipeline parallelism").
+- across processes (a TF_CONFIG cluster of N = S x R workers, e.g. from
+  tfdist-launch): worker k runs stage k mod S of pipeline replica k div S,
+  its own program (one client per stage: bench/pipeline_probe.py measured
+  that one client driving several tasks runs their parts one after the
+  other), and sends boundary tensors to its neighbours point to point
+  (`CollectiveBcastSendV2`/`RecvV2` in a group of two). Every worker keeps
+  the whole model and optimizer: its gradients are its stage's (zeros for
+  the other stages' variables), and the trainer's one all-reduce of the
+  update (MultiWorkerMirroredStrategy's, over all N workers) gives every
+  worker the whole gradient summed over the pipeline replicas, so every
+  worker applies the same update and checkpoints, evaluation, export and
+  fault handling are multi_worker's. The price: each worker holds all
+  parameters and optimizer state, and the all-reduce moves the whole
+  gradient rather than each stage's among its R replicas.
 
 The update equals gradient accumulation of the same micro-batches on one
 device: each micro-batch's loss is the trainer's (`MicroBatchLoss`), its
@@ -28,6 +42,9 @@ micro-batch, as under accumulation; metrics are counted on the last stage.
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import tensorflow as tf
 
 from tfdist import cluster, compat
@@ -35,11 +52,12 @@ from tfdist.errors import UsageError, first_line
 from tfdist.pipeline import schedule as schedule_lib
 from tfdist.pipeline import split as split_lib
 from tfdist.strategies.capabilities import PipelineStages
-from tfdist.strategies.tf_distribute import TFDistributeStrategy
+from tfdist.strategies.multi_worker import MultiWorkerStrategy
 
 
-class PipelineStrategy(TFDistributeStrategy, PipelineStages):
-    """S stages (x R pipeline replicas) over the local devices."""
+class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
+    """S stages (x R pipeline replicas) over the local devices, or over the
+    processes of a cluster (one stage per process)."""
 
     name = "pipeline"
     supports_xla = False
@@ -48,22 +66,57 @@ class PipelineStrategy(TFDistributeStrategy, PipelineStages):
 
     def _create(self):
         config = self.config
-        self.num_stages = config.pipeline_stages
-        self.devices = cluster.local_devices(config.virtual_devices or None)
-        if len(self.devices) < self.num_stages or len(self.devices) % self.num_stages:
-            raise UsageError(
-                f"--pipeline_stages={self.num_stages} does not divide onto the "
-                f"{len(self.devices)} local device(s) ({', '.join(self.devices)}): use a "
-                f"divisor of {len(self.devices)}, or --virtual_devices=<a multiple of "
-                f"{self.num_stages}> on a CPU host")
-        self.pipeline_replicas = len(self.devices) // self.num_stages
+        self.num_stages = stages = config.pipeline_stages
         self.stages = None          # `split.Stage`s, once placed
         self._stage_models = None
         self._stage_variables = None
         self._microbatches = None
-        return tf.distribute.get_strategy()
+        spec = cluster.resolve(config.worker_hosts, config.task_index)
+        self.processes = spec is not None and spec.num_workers > 1
+        if not self.processes:
+            self._spec, self._num_workers, self._worker_index = spec, 1, 0
+            self.devices = cluster.local_devices(config.virtual_devices or None)
+            if len(self.devices) < stages or len(self.devices) % stages:
+                raise UsageError(
+                    f"--pipeline_stages={stages} does not divide onto the "
+                    f"{len(self.devices)} local device(s) ({', '.join(self.devices)}): use a "
+                    f"divisor of {len(self.devices)}, or --virtual_devices=<a multiple of "
+                    f"{stages}> on a CPU host")
+            self.pipeline_replicas = len(self.devices) // stages
+            self.local_stages = list(range(stages))
+            return tf.distribute.get_strategy()
+        if spec.num_workers % stages:
+            raise UsageError(
+                f"--pipeline_stages={stages} does not divide the cluster's "
+                f"{spec.num_workers} workers: a cluster of S x R workers runs R pipeline "
+                f"replicas of S stages, one stage per worker (e.g. tfdist-launch "
+                f"--workers={stages * max(1, spec.num_workers // stages)})")
+        strategy = super()._create()   # MultiWorkerMirroredStrategy: sets up the collectives
+        self.pipeline_replicas = self._num_workers // stages
+        self.stage = self._worker_index % stages
+        self.replica = self._worker_index // stages
+        self.local_stages = [self.stage]
+        self.devices = list(strategy.extended.worker_devices[:1])
+        return strategy
+
+    @property
+    def num_replicas(self) -> int:
+        """Pipeline replicas: the global batch is split over them."""
+        return self.pipeline_replicas if self.processes else 1
+
+    @property
+    def step_copies(self) -> int:
+        """Across processes every worker runs the step and the trainer sums
+        all N workers' results; in one process, one step."""
+        return self._num_workers if self.processes else 1
 
     def describe(self) -> str:
+        if self.processes:
+            return (f"pipeline: {self.num_stages} stages x {self.pipeline_replicas} pipeline "
+                    f"replica(s) over {self._num_workers} workers, "
+                    f"{self.config.pipeline_schedule} schedule; this is "
+                    f"{self.worker_name(self._worker_index)}: stage {self.stage} of replica "
+                    f"{self.replica}{' (chief)' if self.is_chief else ''}")
         groups = [", ".join(self.devices[r * self.num_stages:(r + 1) * self.num_stages])
                   for r in range(self.pipeline_replicas)]
         return (f"pipeline: {self.num_stages} stages x {self.pipeline_replicas} pipeline "
@@ -71,32 +124,74 @@ class PipelineStrategy(TFDistributeStrategy, PipelineStages):
                 + "; ".join(groups))
 
     def stage_device(self, stage: int, replica: int = 0) -> str:
+        if self.processes:
+            worker = replica * self.num_stages + stage
+            return f"worker {worker}" if stage != self.stage or replica != self.replica \
+                else self.devices[0]
         return self.devices[replica * self.num_stages + stage]
+
+    def input_iterator(self, dataset_fn):
+        """Across processes, the S workers of a pipeline replica read the same
+        batches (stage 0 uses the inputs, the last stage the labels): R input
+        pipelines, each replica's its own."""
+        if not self.processes:
+            return super().input_iterator(dataset_fn)
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.pipeline_replicas, input_pipeline_id=self.replica,
+            num_replicas_in_sync=self.pipeline_replicas)
+        with tf.device("/cpu:0"):
+            iterator = iter(dataset_fn(context))
+        return iterator, iterator
 
     # -- checks ------------------------------------------------------------------
     def check_config(self, config) -> None:
         tc = config.train
+        self._microbatches = tc.accum_steps
         parts = self.pipeline_replicas * tc.accum_steps
         if tc.global_batch_size % parts:
             raise UsageError(
                 f"--global_batch_size={tc.global_batch_size} must be divisible by pipeline "
                 f"replicas ({self.pipeline_replicas}) x --microbatches ({tc.accum_steps}) "
                 f"= {parts}; e.g. {max(parts, tc.global_batch_size // parts * parts)}")
-        self._microbatches = tc.accum_steps
         if tc.reduce_bucket_mb:
             raise UsageError(f"--reduce_bucket_mb={tc.reduce_bucket_mb}: --strategy=pipeline "
-                             "reduces nothing across processes; use --reduce_bucket_mb=0")
+                             "makes one reduction per update; use --reduce_bucket_mb=0")
+        if self.processes and tc.grad_agreement_every:
+            raise UsageError(f"--grad_agreement_every={tc.grad_agreement_every}: across "
+                             "processes a pipeline worker holds one stage's gradients, not a "
+                             "replica's; use --grad_agreement_every=0")
 
     # -- the model ---------------------------------------------------------------
     def place_model(self, model) -> None:
         names = list(self.config.pipeline_split) or None
         self.stages = split_lib.split(model, self.num_stages, names=names)
         self._stage_models = split_lib.stage_models(model, self.stages)
-        self._stage_variables = []
-        for s, stage_model in enumerate(self._stage_models):
-            for variable in stage_model.variables:
-                compat.move_variable(variable, self.stage_device(s))
-            self._stage_variables.append(stage_model.trainable_variables)
+        self._stage_variables = [m.trainable_variables for m in self._stage_models]
+        self._held = set()
+        for s in self.local_stages:
+            for variable in self._stage_models[s].variables:
+                self._held.add(id(variable))
+                if not self.processes:
+                    compat.move_variable(variable, self.stage_device(s))
+        if self.processes:
+            for s in range(self.num_stages - 1):
+                shape = self._stage_models[s].output.shape
+                if any(d is None for d in shape[1:]):
+                    raise UsageError(
+                        f"pipeline stages across processes: the tensor between stage {s} and "
+                        f"{s + 1} has shape {tuple(shape)}; its dimensions after the batch "
+                        "must be fixed (e.g. --sequence_length) to be sent between workers")
+
+    def state_share(self, variable, value):
+        """Across processes, the R workers of `variable`'s stage hold its
+        state (BatchNorm statistics): each contributes S x its value and the
+        others zeros, so the trainer's sum over all N = S x R workers divided
+        by N is the mean over the R pipeline replicas."""
+        if not self.processes:
+            return value
+        if id(variable) in self._held:
+            return value * tf.cast(self.num_stages, value.dtype)
+        return tf.zeros_like(value)
 
     def stage_report(self, model) -> str:
         if self.stages is None:
@@ -112,91 +207,120 @@ class PipelineStrategy(TFDistributeStrategy, PipelineStages):
         return "\n".join(lines)
 
     def summary_fields(self, model, optimizer) -> dict:
-        return {"pipeline_stages": self.num_stages,
-                "pipeline_replicas": self.pipeline_replicas,
-                "pipeline_schedule": self.config.pipeline_schedule,
-                "microbatches": self._microbatches,
-                "stage_layers": [list(s.layers) for s in self.stages or ()],
-                "stage_param_bytes": [s.param_bytes for s in self.stages or ()]}
+        fields = {"pipeline_stages": self.num_stages,
+                  "pipeline_replicas": self.pipeline_replicas,
+                  "pipeline_schedule": self.config.pipeline_schedule,
+                  "microbatches": self._microbatches,
+                  "stage_layers": [list(s.layers) for s in self.stages or ()],
+                  "stage_param_bytes": [s.param_bytes for s in self.stages or ()]}
+        if self.processes:
+            fields["stage"], fields["pipeline_replica"] = self.stage, self.replica
+        return fields
 
     def describe_fault(self, error: Exception) -> str:
-        """Names the stage (and its device) whose item failed: every item's ops
-        sit in a name scope `stage<s>_<F|B><micro-batch>`."""
-        import re
+        """Names the stage (and its device or worker) whose item failed: every
+        item's ops sit in a name scope `stage<s>_<F|B><micro-batch>`; across
+        processes a neighbour's failure shows as this worker's transfer
+        failing, which multi_worker's description traces to the peer."""
         text = str(getattr(error, "message", error))
+        if self.processes:
+            found = re.search(r"stage(\d+)_([FB])(\d+)", text)
+            line = super().describe_fault(error)
+            if found and "peer" not in line and "unreachable" not in line:
+                kind = "forward" if found.group(2) == "F" else "backward"
+                return (f"pipeline stage {self.stage} of replica {self.replica} "
+                        f"({self.worker_name(self._worker_index)}, {kind} of micro-batch "
+                        f"{found.group(3)}): {type(error).__name__}: {first_line(error)}")
+            return re.sub(r"\bworker (\d+)\b", lambda w: f"worker {w.group(1)} (stage "
+                          f"{int(w.group(1)) % self.num_stages})", line)
         found = re.search(r"stage(\d+)_([FB])(\d+)", text)
         if found and self.stages is not None:
             s = int(found.group(1))
             kind = "forward" if found.group(2) == "F" else "backward"
             return (f"pipeline stage {s} on {self.stage_device(s)} ({kind} of micro-batch "
                     f"{found.group(3)}): {type(error).__name__}: {first_line(error)}")
-        return super().describe_fault(error)
+        return f"pipeline: {type(error).__name__}: {first_line(error)}"
 
     # -- the step ----------------------------------------------------------------
     def local_gradients(self, losses, x, y, weight):
         from tfdist.training.trainer import LocalGradients
         m = losses.micro_batches
-        r_count = self.pipeline_replicas
+        replicas = 1 if self.processes else self.pipeline_replicas
         parts = tf.nest.map_structure(
-            lambda t: tf.reshape(t, [r_count, m, -1, *t.shape[1:]]), (x, y, weight))
-        results = [self._pipeline(losses, tf.nest.map_structure(lambda t: t[r], parts), r)
-                   for r in range(r_count)]
-        stage_grads = results[0][0]
-        counters = results[0][1]
-        separate = results[0][2]
-        for more_grads, more_counters, more_separate in results[1:]:
-            stage_grads = [[a + b for a, b in zip(mine, theirs)]
-                           for mine, theirs in zip(stage_grads, more_grads)]
-            separate = [[a + b for a, b in zip(mine, theirs)]
-                        for mine, theirs in zip(separate, more_separate)] if separate else []
-            counters = counters + more_counters
-        by_ref = {}
-        for variables, grads in zip(self._stage_variables, stage_grads):
-            for variable, grad in zip(variables, grads):
-                by_ref[id(variable)] = grad
+            lambda t: tf.reshape(t, [replicas, m, -1, *t.shape[1:]]), (x, y, weight))
+        grads, separate, counters = {}, {}, None
+        for r in range(replicas):
+            replica = self.replica if self.processes else r
+            more_grads, more_counters, more_separate = self._pipeline(
+                losses, tf.nest.map_structure(lambda t: t[r], parts), replica, replicas)
+            counters = more_counters if counters is None else counters + more_counters
+            for into, more in ((grads, more_grads), (separate, more_separate)):
+                for key, value in more.items():
+                    into[key] = value if key not in into else into[key] + value
         order = losses.variables
-        data = [by_ref[id(v)] for v in order]
+        data = [grads.get(id(v), None) for v in order]
+        data = [g if g is not None else tf.zeros(v.shape, v.dtype) for g, v in zip(data, order)]
         regularization = []
         if separate:
-            by_ref = {}
-            for variables, grads in zip(self._stage_variables, separate):
-                for variable, grad in zip(variables, grads):
-                    by_ref[id(variable)] = grad
-            regularization = [by_ref[id(v)] for v in order]
+            regularization = [separate.get(id(v), None) for v in order]
+            regularization = [g if g is not None else tf.zeros(v.shape, v.dtype)
+                              for g, v in zip(regularization, order)]
         return LocalGradients(data, regularization, counters, losses.provisional_divisor())
 
-    def _pipeline(self, losses, parts, replica):
-        """One pipeline replica's summed (per-stage gradients, counters,
-        per-stage regularization gradients kept apart) over its micro-batches."""
+    def _pipeline(self, losses, parts, replica, in_process_replicas):
+        """One pipeline replica's items of this process's stages: ({id(variable):
+        summed gradient}, summed counters (zeros where the last stage is
+        elsewhere), {id(variable): regularization gradient kept apart})."""
         stages, m = self.num_stages, losses.micro_batches
         last_stage = stages - 1
+        here = set(self.local_stages)
         plan = schedule_lib.schedule(m, self.config.pipeline_schedule, stages)
-        inputs = {}      # (s, i): stage s's input for micro-batch i
-        outputs = {}     # (s, i): stage s's output (the last stage: its scaled loss)
-        tapes = {}
-        regularization = {}
-        input_grads = {}  # (s, i): the gradient of stage s's input
-        grads = [None] * stages
-        separate = [None] * stages
+        transfer = _Transfer(self, replica, parts) if self.processes else None
+        outputs, inputs, tapes, regularization, input_grads = {}, {}, {}, {}, {}
+        grads, separate = {}, {}
         counters = None
-        last_item = [None] * stages
+        last_item = {}
+        sends = []
         apart = None     # regularization gradients kept apart from the data's
+        if last_stage not in here:
+            # The loss is computed elsewhere; this worker still needs to know
+            # whether its share is final (see `MicroBatchLoss.loss`) and the
+            # counters' shape: the loss of a stand-in output, never run.
+            x_0, y_0, w_0 = tf.nest.map_structure(lambda t: t[0], parts)
+            rows = tf.shape(tf.nest.flatten(y_0)[0])[0]
+            stand_in = tf.nest.map_structure(
+                lambda t: tf.zeros(tf.concat([[rows], t.shape[1:]], 0), t.dtype),
+                self._stage_models[last_stage].output)
+            _, shape_of, _ = losses.loss(y_0, stand_in, w_0)
+            counters = tf.zeros_like(shape_of)
         for s, kind, i in schedule_lib.build_order(plan):
-            device = self.stage_device(s, replica)
-            after = [last_item[s]] if last_item[s] is not None else []
-            with tf.device(device), tf.control_dependencies(after), \
-                    tf.name_scope(f"stage{s}_{kind}{i}"):
+            if s not in here:
+                continue
+            stage_model = self._stage_models[s]
+            variables = self._stage_variables[s]
+            after = [last_item[s]] if s in last_item else []
+            place = contextlib.nullcontext() if self.processes else \
+                tf.device(self.stage_device(s, replica))
+            with place, tf.control_dependencies(after), tf.name_scope(f"stage{s}_{kind}{i}"):
                 x_i, y_i, w_i = tf.nest.map_structure(lambda t: t[i], parts)
                 if kind == "F":
-                    source = x_i if s == 0 else outputs[(s - 1, i)]
-                    # The boundary tensor arrives on this stage's device.
-                    source = tf.nest.map_structure(tf.identity, source)
+                    if s == 0:
+                        source = x_i
+                    elif s - 1 in here:   # arrives on this stage's device
+                        source = tf.nest.map_structure(tf.identity, outputs[(s - 1, i)])
+                    else:
+                        source = transfer.receive_activation(s, i)
                     with tf.GradientTape(persistent=True) as tape:
                         if s > 0:
                             tape.watch(source)
-                        out = self._stage_models[s](source, training=True)
-                        stage_losses = self._stage_models[s].losses
-                        reg = losses.regularization(stage_losses) if stage_losses else None
+                        out = stage_model(source, training=True)
+                        reg = None
+                        if stage_model.losses:
+                            # The trainer's share is per step copy and micro-batch;
+                            # here R of the N = S x R workers (or, in one process,
+                            # R pipelines in turn) add this stage's.
+                            reg = losses.regularization(stage_model.losses) * (
+                                self.num_stages if self.processes else 1 / in_process_replicas)
                         if s == last_stage:
                             loss, micro_counters, known = losses.loss(y_i, out, w_i)
                             apart = reg is not None and not known
@@ -208,43 +332,104 @@ class PipelineStrategy(TFDistributeStrategy, PipelineStages):
                     inputs[(s, i)], outputs[(s, i)], tapes[(s, i)] = source, out, tape
                     regularization[(s, i)] = reg
                     done = tf.nest.flatten(out)
+                    if s < last_stage and s + 1 not in here:
+                        # Not in the chain: a transfer completes only when the
+                        # neighbour receives, which may come after this
+                        # stage's next items (1F1B: its next forward's send
+                        # waits for the neighbour's backward).
+                        sends.append(transfer.send_activation(s, i, out))
                 else:
                     tape = tapes.pop((s, i))
-                    variables = self._stage_variables[s]
                     reg = regularization.pop((s, i))
-                    targets, seeds = [outputs[(s, i)]], [None]
-                    if s < last_stage:
-                        seeds = [input_grads.pop((s + 1, i))]
+                    out = outputs.pop((s, i))
+                    source = inputs.pop((s, i))
+                    sources = list(variables) + ([source] if s > 0 else [])
+                    zero = tf.UnconnectedGradients.ZERO
+                    if s == last_stage:
+                        got = tape.gradient(out, sources, unconnected_gradients=zero)
+                    else:
+                        seed = input_grads.pop((s + 1, i)) if s + 1 in here else \
+                            transfer.receive_gradient(s, i)
+                        targets, seeds = [out], [seed]
                         if reg is not None and not apart:
                             targets.append(losses.scale(reg))
                             seeds.append(tf.ones_like(targets[-1]))
-                    sources = list(variables) + ([inputs[(s, i)]] if s > 0 else [])
-                    if s < last_stage:
                         got = tape.gradient(targets, sources, output_gradients=seeds,
-                                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                    else:
-                        got = tape.gradient(targets[0], sources,
-                                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                                            unconnected_gradients=zero)
                     got = [tf.convert_to_tensor(g) for g in got]
-                    stage_grads = got[:len(variables)]
+                    for variable, g in zip(variables, got):
+                        key = id(variable)
+                        grads[key] = g if key not in grads else grads[key] + g
+                    done = [grads[id(v)] for v in variables]
                     if s > 0:
-                        input_grads[(s, i)] = got[-1]
-                    grads[s] = stage_grads if grads[s] is None else \
-                        [a + b for a, b in zip(grads[s], stage_grads)]
-                    if apart and reg is not None:
-                        extra = [tf.convert_to_tensor(g) for g in tape.gradient(
-                            losses.scale(reg), variables,
-                            unconnected_gradients=tf.UnconnectedGradients.ZERO)]
-                        separate[s] = extra if separate[s] is None else \
-                            [a + b for a, b in zip(separate[s], extra)]
+                        if s - 1 in here:
+                            input_grads[(s, i)] = got[-1]
+                        else:
+                            sends.append(transfer.send_gradient(s, i, got[-1]))
+                        done.append(got[-1])
+                    if reg is not None and apart:
+                        extra = tape.gradient(losses.scale(reg), variables,
+                                              unconnected_gradients=zero)
+                        for variable, g in zip(variables, extra):
+                            key = id(variable)
+                            g = tf.convert_to_tensor(g)
+                            separate[key] = g if key not in separate else separate[key] + g
                     del tape
-                    inputs.pop((s, i))
-                    outputs.pop((s, i))
-                    done = list(grads[s]) + ([input_grads[(s, i)]] if s > 0 else [])
                 last_item[s] = tf.group(*done)
-        if apart:
-            separate = [sep if sep is not None else
-                        [tf.zeros_like(g) for g in grads[s]] for s, sep in enumerate(separate)]
-        else:
-            separate = []
+        if sends:   # every transfer has run before the gradients are used
+            with tf.control_dependencies(sends):
+                grads = {key: tf.identity(g) for key, g in grads.items()}
+        if apart is False or not separate:
+            separate = {}
         return grads, counters, separate
+
+
+class _Transfer:
+    """Boundary tensors between the stages of one pipeline replica across
+    processes: one point-to-point group (a 2-member collective group) per
+    pair of neighbouring stages, one instance per micro-batch and direction.
+    The shapes come from the stage models' outputs (fixed after the batch),
+    the micro-batch's rows from the labels every worker reads."""
+
+    GROUP_BASE = 1 << 20      # far above MultiWorkerMirroredStrategy's own keys
+    INSTANCE_BASE = 1 << 20
+
+    def __init__(self, strategy: PipelineStrategy, replica: int, parts):
+        self._strategy = strategy
+        self._replica = replica
+        self._timeout = float(strategy.config.collective_timeout_s)
+        y_0 = tf.nest.map_structure(lambda t: t[0], parts[1])
+        self._rows = tf.shape(tf.nest.flatten(y_0)[0])[0]
+
+    def _group(self, first: int) -> int:
+        """The group of stages `first` and `first` + 1 of this replica."""
+        return self.GROUP_BASE + self._replica * self._strategy.num_stages + first
+
+    def _dtype(self, first: int):
+        return tf.as_dtype(self._strategy._stage_models[first].output.dtype)
+
+    def _send(self, value, first: int, instance: int):
+        return tf.raw_ops.CollectiveBcastSendV2(
+            input=tf.cast(value, self._dtype(first)), group_size=2, group_key=self._group(first),
+            instance_key=self.INSTANCE_BASE + instance, communication_hint="auto",
+            timeout_seconds=self._timeout)
+
+    def _receive(self, first: int, instance: int):
+        boundary = self._strategy._stage_models[first].output
+        shape = tf.concat([[self._rows], tf.constant(boundary.shape[1:], tf.int32)], 0)
+        return tf.raw_ops.CollectiveBcastRecvV2(
+            group_size=2, group_key=self._group(first), instance_key=self.INSTANCE_BASE + instance,
+            shape=shape, T=self._dtype(first), communication_hint="auto",
+            timeout_seconds=self._timeout)
+
+    def send_activation(self, stage: int, i: int, value):
+        return self._send(value, stage, 2 * i)
+
+    def receive_activation(self, stage: int, i: int):
+        return self._receive(stage - 1, 2 * i)
+
+    def send_gradient(self, stage: int, i: int, value):
+        return self._send(value, stage - 1, 2 * i + 1)
+
+    def receive_gradient(self, stage: int, i: int):
+        return self._receive(stage, 2 * i + 1)

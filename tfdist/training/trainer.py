@@ -364,7 +364,11 @@ class Trainer:
         variable itself ("destinations can not be empty"); the average is
         assigned outside replica context (`_train_loop_fn`), once for every copy.
         """
-        return self.strategy.all_reduce_sum([tf.identity(v.value) for v in self._synced_state()])
+        values = [tf.identity(v.value) for v in self._synced_state()]
+        if self.pipeline:   # a stage's state counts only where the stage runs
+            values = [self.pipeline.state_share(v, value)
+                      for v, value in zip(self._synced_state(), values)]
+        return self.strategy.all_reduce_sum(values)
 
     def _replica_eval_step(self, batch):
         x, y, weight, real = batch
