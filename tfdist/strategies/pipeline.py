@@ -43,6 +43,8 @@ micro-batch, as under accumulation; metrics are counted on the last stage.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
 
 import tensorflow as tf
@@ -71,6 +73,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         self._stage_models = None
         self._stage_variables = None
         self._microbatches = None
+        self._timeline = None
         spec = cluster.resolve(config.worker_hosts, config.task_index)
         self.processes = spec is not None and spec.num_workers > 1
         if not self.processes:
@@ -173,6 +176,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                 self._held.add(id(variable))
                 if not self.processes:
                     compat.move_variable(variable, self.stage_device(s))
+        self._prepare_timeline()
         if self.processes:
             for s in range(self.num_stages - 1):
                 shape = self._stage_models[s].output.shape
@@ -181,6 +185,33 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                         f"pipeline stages across processes: the tensor between stage {s} and "
                         f"{s + 1} has shape {tuple(shape)}; its dimensions after the batch "
                         "must be fixed (e.g. --sequence_length) to be sent between workers")
+
+    def _prepare_timeline(self) -> None:
+        """With TFDIST_PIPELINE_TIMELINE=PREFIX (bench/pipeline.py), a worker
+        of a cross-process pipeline records the wall-clock start and end of
+        each of its items in the last step of every loop, and `close` writes
+        them to PREFIX-<worker>.json: the per-stage timeline and bubble."""
+        self._timeline = None
+        prefix = os.environ.get("TFDIST_PIPELINE_TIMELINE")
+        if prefix and self.processes:
+            m = self._microbatches or 1
+            self._timeline_prefix = prefix
+            self._timeline_items = schedule_lib.schedule(
+                m, self.config.pipeline_schedule, self.num_stages)[self.stage]
+            self._timeline = tf.Variable(tf.zeros([len(self._timeline_items), 2], tf.float64),
+                                         trainable=False)
+
+    def close(self) -> None:
+        if getattr(self, "_timeline", None) is not None:
+            stamps = self._timeline.numpy().tolist()
+            with open(f"{self._timeline_prefix}-{self._worker_index}.json", "w") as f:
+                json.dump({"stage": self.stage, "replica": self.replica,
+                           "schedule": self.config.pipeline_schedule,
+                           "microbatches": self._microbatches,
+                           "items": [[kind, i, start, end] for (kind, i), (start, end)
+                                     in zip(self._timeline_items, stamps)]}, f)
+            self._timeline = None
+        super().close()
 
     def state_share(self, variable, value):
         """Across processes, the R workers of `variable`'s stage hold its
@@ -280,7 +311,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         grads, separate = {}, {}
         counters = None
         last_item = {}
-        sends = []
+        sends, stamps = [], []
         apart = None     # regularization gradients kept apart from the data's
         if last_stage not in here:
             # The loss is computed elsewhere; this worker still needs to know
@@ -301,6 +332,11 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             after = [last_item[s]] if s in last_item else []
             place = contextlib.nullcontext() if self.processes else \
                 tf.device(self.stage_device(s, replica))
+            timed = self._timeline is not None
+            if timed:
+                with tf.control_dependencies(after):
+                    after = [tf.timestamp()]
+                stamps.append(after[0])
             with place, tf.control_dependencies(after), tf.name_scope(f"stage{s}_{kind}{i}"):
                 x_i, y_i, w_i = tf.nest.map_structure(lambda t: t[i], parts)
                 if kind == "F":
@@ -376,6 +412,14 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                             separate[key] = g if key not in separate else separate[key] + g
                     del tape
                 last_item[s] = tf.group(*done)
+            if timed:
+                with tf.control_dependencies([last_item[s]]):
+                    stamps.append(tf.timestamp())
+                last_item[s] = stamps[-1]
+        if stamps:
+            with tf.control_dependencies([self._timeline.assign(
+                    tf.reshape(tf.stack(stamps), [-1, 2]))]):
+                sends = sends + [tf.constant(0)]
         if sends:   # every transfer has run before the gradients are used
             with tf.control_dependencies(sends):
                 grads = {key: tf.identity(g) for key, g in grads.items()}
