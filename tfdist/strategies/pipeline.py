@@ -198,7 +198,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             self._timeline_prefix = prefix
             self._timeline_items = schedule_lib.schedule(
                 m, self.config.pipeline_schedule, self.num_stages)[self.stage]
-            self._timeline = tf.Variable(tf.zeros([len(self._timeline_items), 2], tf.float64),
+            self._timeline = tf.Variable(tf.zeros([len(self._timeline_items), 3], tf.float64),
                                          trainable=False)
 
     def close(self) -> None:
@@ -208,7 +208,8 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                 json.dump({"stage": self.stage, "replica": self.replica,
                            "schedule": self.config.pipeline_schedule,
                            "microbatches": self._microbatches,
-                           "items": [[kind, i, start, end] for (kind, i), (start, end)
+                           # [kind, micro-batch, started, inputs there, ended]
+                           "items": [[kind, i, *times] for (kind, i), times
                                      in zip(self._timeline_items, stamps)]}, f)
             self._timeline = None
         super().close()
@@ -312,7 +313,19 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         counters = None
         last_item = {}
         sends, stamps = [], []
-        apart = None     # regularization gradients kept apart from the data's
+        apart = None
+        timed = self._timeline is not None
+
+        def mark(value):
+            """`value`, after the timeline's stamp of when it was there (an
+            item's inputs: received, or read from the batch)."""
+            if not timed:
+                return value
+            with tf.control_dependencies(tf.nest.flatten(value)):
+                stamps.append(tf.timestamp())
+            with tf.control_dependencies([stamps[-1]]):
+                return tf.nest.map_structure(tf.identity, value)
+     # regularization gradients kept apart from the data's
         if last_stage not in here:
             # The loss is computed elsewhere; this worker still needs to know
             # whether its share is final (see `MicroBatchLoss.loss`) and the
@@ -332,7 +345,6 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             after = [last_item[s]] if s in last_item else []
             place = contextlib.nullcontext() if self.processes else \
                 tf.device(self.stage_device(s, replica))
-            timed = self._timeline is not None
             if timed:
                 with tf.control_dependencies(after):
                     after = [tf.timestamp()]
@@ -346,6 +358,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                         source = tf.nest.map_structure(tf.identity, outputs[(s - 1, i)])
                     else:
                         source = transfer.receive_activation(s, i)
+                    source = mark(source)
                     with tf.GradientTape(persistent=True) as tape:
                         if s > 0:
                             tape.watch(source)
@@ -382,10 +395,12 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                     sources = list(variables) + ([source] if s > 0 else [])
                     zero = tf.UnconnectedGradients.ZERO
                     if s == last_stage:
+                        if timed:   # its input, the loss, is there from the start
+                            stamps.append(stamps[-1])
                         got = tape.gradient(out, sources, unconnected_gradients=zero)
                     else:
-                        seed = input_grads.pop((s + 1, i)) if s + 1 in here else \
-                            transfer.receive_gradient(s, i)
+                        seed = mark(input_grads.pop((s + 1, i)) if s + 1 in here else
+                                    transfer.receive_gradient(s, i))
                         targets, seeds = [out], [seed]
                         if reg is not None and not apart:
                             targets.append(losses.scale(reg))
@@ -418,7 +433,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                 last_item[s] = stamps[-1]
         if stamps:
             with tf.control_dependencies([self._timeline.assign(
-                    tf.reshape(tf.stack(stamps), [-1, 2]))]):
+                    tf.reshape(tf.stack(stamps), [-1, 3]))]):
                 sends = sends + [tf.constant(0)]
         if sends:   # every transfer has run before the gradients are used
             with tf.control_dependencies(sends):
@@ -460,11 +475,15 @@ class _Transfer:
 
     def _receive(self, first: int, instance: int):
         boundary = self._strategy._stage_models[first].output
-        shape = tf.concat([[self._rows], tf.constant(boundary.shape[1:], tf.int32)], 0)
-        return tf.raw_ops.CollectiveBcastRecvV2(
-            group_size=2, group_key=self._group(first), instance_key=self.INSTANCE_BASE + instance,
-            shape=shape, T=self._dtype(first), communication_hint="auto",
-            timeout_seconds=self._timeout)
+        # Outside the stage's chain: every receive is posted when the step
+        # starts, so the neighbour's send completes as soon as it runs and a
+        # transfer's latency hides behind this stage's other items.
+        with tf.control_dependencies(None):
+            shape = tf.concat([[self._rows], tf.constant(boundary.shape[1:], tf.int32)], 0)
+            return tf.raw_ops.CollectiveBcastRecvV2(
+                group_size=2, group_key=self._group(first),
+                instance_key=self.INSTANCE_BASE + instance, shape=shape, T=self._dtype(first),
+                communication_hint="auto", timeout_seconds=self._timeout)
 
     def send_activation(self, stage: int, i: int, value):
         return self._send(value, stage, 2 * i)

@@ -1,0 +1,176 @@
+"""Pipeline parallelism across processes (issue 22): S=2 stages, each a process.
+
+    .venv/bin/python bench/pipeline.py [--microbatches 8] [--steps 25] [--width 1024]
+        [--depth 6] [--global_batch 512] [--interop 1] [--pin/--nopin] [--png PATH]
+
+Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
+Adam, float32, no XLA: the pipeline cannot use it):
+
+- `default`: plain `--strategy=default`, one process using both cores (the
+  baseline a CPU user has; XLA as --jit_compile=auto picks);
+- `pipeline M=1`: the same model split into the two stages `--print_stages`
+  shows, each stage a process (a 2-worker TF_CONFIG cluster) pinned to a core
+  of its own (`--pin`), one intra-op and `--interop` inter-op threads
+  (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS), no micro-batching;
+- `pipeline M=<M> 1f1b` and `gpipe`: the same with M micro-batches.
+
+Prints examples/sec of each, their ratios to M=1 (ideal for S=2, M=8: 16/9 =
+1.78x; issue 22's target 1.4x) and to `default`, and, from each pipelined run's
+timeline of its last step (each worker records when each of its items' inputs
+were there and when it ended: TFDIST_PIPELINE_TIMELINE), the measured bubble
+1 - busy / (S x span) against the ideal (S-1)/(M+S-1). `--png` draws the
+timelines (one row per stage, forwards light, backwards dark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import REPO, TRAIN, hardware_header, summary, table  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pipeline_run(args, microbatches: int, kind: str, timeline: str) -> dict:
+    """Two stage processes; worker 0's (the chief's) run summary."""
+    ports = [_free_port() for _ in range(2)]
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    command = [TRAIN, "--strategy=pipeline", "--pipeline_stages=2",
+               f"--microbatches={microbatches}", f"--pipeline_schedule={kind}",
+               *model_flags(args)]
+    procs = []
+    for k in range(2):
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker",
+                                                                    "index": k}}),
+               "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": str(args.interop),
+               "TFDIST_PIPELINE_TIMELINE": timeline}
+        pin = ["taskset", "-c", str(k % os.cpu_count())] if args.pin else []
+        procs.append(subprocess.Popen([*pin, *command], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=args.timeout))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, err) in zip(procs, outputs):
+        if proc.returncode:
+            sys.exit(f"a stage process failed:\n{err[-3000:]}")
+    for line in reversed(outputs[0][0].splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    sys.exit("no run summary from the chief")
+
+
+def model_flags(args) -> list:
+    return ["--model=mlp", f"--model_width={args.width}", f"--model_depth={args.depth}",
+            "--dataset=tfdist_shapes", "--synthetic", f"--global_batch_size={args.global_batch}",
+            f"--train_steps={args.steps}", f"--steps_per_loop={max(1, args.steps // 5)}",
+            "--optimizer=adam"]
+
+
+def read_timeline(prefix: str) -> list:
+    """[(stage, kind, micro-batch, inputs there, end)] of the last step, both workers."""
+    rows = []
+    for k in range(2):
+        with open(f"{prefix}-{k}.json") as f:
+            data = json.load(f)
+        rows += [(data["stage"], kind, i, ready, end)
+                 for kind, i, _start, ready, end in data["items"]]
+    return rows
+
+
+def bubble(rows: list, stages: int = 2) -> tuple:
+    """(measured bubble, span in ms): 1 - busy / (stages x span), busy being
+    each item's time from its inputs being there to its end."""
+    start = min(r[3] for r in rows)
+    span = max(r[4] for r in rows) - start
+    busy = sum(r[4] - r[3] for r in rows)
+    return 1 - busy / (stages * span), span * 1e3
+
+
+def draw(timelines: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.6 * len(timelines)),
+                             squeeze=False)
+    for axis, (name, rows) in zip(axes[:, 0], timelines.items()):
+        start = min(r[3] for r in rows)
+        for stage, kind, i, ready, end in rows:
+            axis.barh(stage, (end - ready) * 1e3, left=(ready - start) * 1e3,
+                      color="#9ecae1" if kind == "F" else "#3182bd", edgecolor="black",
+                      linewidth=0.4)
+            axis.text((ready - start) * 1e3 + (end - ready) * 5e2, stage, f"{kind}{i}",
+                      ha="center", va="center", fontsize=6)
+        axis.set_yticks(range(2), [f"stage {s}" for s in range(2)])
+        axis.invert_yaxis()
+        axis.set_title(name, fontsize=9)
+        axis.set_xlabel("ms into the step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--global_batch", type=int, default=512)
+    parser.add_argument("--interop", type=int, default=1,
+                        help="inter-op threads per stage process (bench/pipeline_p2p_probe.py "
+                             "found 4 slower than 1)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin stage process k to core k (taskset)")
+    parser.add_argument("--png", default=None, help="draw the timelines into this PNG")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    print(hardware_header(), flush=True)
+    m = args.microbatches
+    rows, timelines = [], {}
+    base = summary([TRAIN, "--strategy=default", *model_flags(args)], timeout=args.timeout)
+    rows.append(["default (1 process, both cores)", "", f"{base['examples_per_sec']:.0f}"])
+    print(rows[-1], flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = [(1, "1f1b"), (m, "1f1b"), (m, "gpipe")]
+        results = {}
+        for microbatches, kind in runs:
+            prefix = os.path.join(scratch, f"timeline-{microbatches}-{kind}")
+            run = pipeline_run(args, microbatches, kind, prefix)
+            name = f"pipeline M={microbatches}" + (f" {kind}" if microbatches > 1 else "")
+            results[name] = run
+            measured, span = bubble(read_timeline(prefix))
+            if microbatches > 1:
+                timelines[name] = read_timeline(prefix)
+            ideal = 1 / (microbatches + 1)
+            rows.append([name, f"{measured:.0%} (ideal {ideal:.0%}; step {span:.0f} ms)",
+                         f"{run['examples_per_sec']:.0f}"])
+            print(rows[-1], flush=True)
+        single = results["pipeline M=1"]["examples_per_sec"]
+        for row in rows:
+            speed = float(row[2])
+            row += [f"{speed / single:.2f}x", f"{speed / base['examples_per_sec']:.2f}x"]
+    print(f"stages: {results['pipeline M=1'].get('stage_layers')}")
+    print(table(rows, ["run", "bubble (last step)", "ex/s", "vs M=1", "vs default"]))
+    if args.png:
+        draw(timelines, args.png)
+        print(f"timelines: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
