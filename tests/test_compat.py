@@ -552,3 +552,23 @@ def test_symbolic_calls_check():
     with pytest.raises(compat.UpstreamChanged) as raised:
         compat.symbolic_calls(object())
     assert_one_line_change(raised, "_inbound_nodes")
+
+
+def test_move_variable():
+    # The CPU is split into virtual devices by conftest; without the move a
+    # built layer's variables stay where they were made (the control).
+    layer = keras.layers.Dense(3)
+    layer.build((None, 2))
+    kernel, before = layer.kernel, layer.kernel.numpy()
+    assert layer.kernel.value.device.endswith("CPU:0")
+    compat.move_variable(kernel, "/device:CPU:1")
+    assert layer.kernel is kernel and kernel.value.device.endswith("CPU:1")
+    np.testing.assert_array_equal(kernel.numpy(), before)
+    kernel.assign(kernel * 2)   # still the layer's variable, written where it lives
+    np.testing.assert_array_equal(layer.kernel.numpy(), before * 2)
+
+
+def test_move_variable_check():
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.move_variable(object(), "/device:CPU:1")
+    assert_one_line_change(raised, "_value")
