@@ -235,9 +235,9 @@ def test_a_subclassed_model_is_refused_in_one_line():
 
 
 # -- across processes: one tfdist-launch cluster of 4 workers -----------------------
-# Several runs in one cluster (tests/mw_worker.py's list mode: one TensorFlow
-# start-up per worker): S=2 stages x R=2 pipeline replicas under 1F1B, S=4
-# stages under GPipe, and the cnn (BatchNorm) on 4 stages. Each run's 4 workers
+# Two runs in one cluster (tests/mw_worker.py's list mode: one TensorFlow
+# start-up per worker): S=2 stages x R=2 pipeline replicas under 1F1B, and
+# the cnn (BatchNorm) on S=4 stages under GPipe. Each run's 4 workers
 # end bit-identical (every worker applies the same update), equal to the same
 # micro-batches accumulated on one device within the tolerance above, and the
 # BatchNorm statistics every worker ends with are its stage owner's (the
@@ -245,10 +245,11 @@ def test_a_subclassed_model_is_refused_in_one_line():
 # zeros, and the trainer divides by N).
 PROCESS_RUNS = {
     "2 stages x 2 replicas, 1f1b": {"strategy": {"pipeline_stages": 2}},
-    "4 stages, gpipe": {"strategy": {"pipeline_stages": 4, "pipeline_schedule": "gpipe"}},
     # R=1: with R pipeline replicas BatchNorm would normalise over other
     # micro-batches than one device's (each replica's share of the batch).
-    "cnn, 4 stages": {"strategy": {"pipeline_stages": 4}, "model": {"name": "cnn", "depth": 1}},
+    # The middle stages receive and send in both directions.
+    "cnn, 4 stages, gpipe": {"strategy": {"pipeline_stages": 4, "pipeline_schedule": "gpipe"},
+                             "model": {"name": "cnn", "depth": 1}},
 }
 
 

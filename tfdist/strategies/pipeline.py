@@ -62,6 +62,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
     processes of a cluster (one stage per process)."""
 
     name = "pipeline"
+    _timeline = None   # TFDIST_PIPELINE_TIMELINE's recording (`_prepare_timeline`)
     supports_xla = False
     supports_xla_reason = ("a pipeline's stages run on different devices, and one XLA "
                            "cluster cannot span devices")
@@ -202,7 +203,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                                          trainable=False)
 
     def close(self) -> None:
-        if getattr(self, "_timeline", None) is not None:
+        if self._timeline is not None:
             stamps = self._timeline.numpy().tolist()
             with open(f"{self._timeline_prefix}-{self._worker_index}.json", "w") as f:
                 json.dump({"stage": self.stage, "replica": self.replica,
