@@ -64,7 +64,8 @@ CASES = {
                         "clip": 0.05}, [(4, 4, "1f1b")]),
     # --recompute re-runs each block's forward in the backward pass: the same
     # trainable weights; BatchNorm's second update comes in the schedule's order.
-    "cnn (BatchNorm)": ("cnn", {"depth": 1}, [(2, 2, "1f1b"), (2, 2, "gpipe", True)]),
+    "cnn (BatchNorm)": ("cnn", {"depth": 1, "microbatches": 2},
+                        [(2, 2, "1f1b"), (2, 2, "gpipe", True)]),
 }
 
 
