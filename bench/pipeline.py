@@ -18,7 +18,10 @@ Prints examples/sec of each, their ratios to M=1 (ideal for S=2, M=8: 16/9 =
 1.78x; issue 22's target 1.4x) and to `default`, and, from each pipelined run's
 timeline of its last step (each worker records when each of its items' inputs
 were there and when it ended: TFDIST_PIPELINE_TIMELINE), the measured bubble
-1 - busy / (S x span) against the ideal (S-1)/(M+S-1). `--png` draws the
+1 - busy / (S x span) against the ideal (S-1)/(M+S-1), and each stage
+process's peak resident memory (1F1B holds at most S micro-batches'
+activations, GPipe M: visible once the activations outweigh TensorFlow's own
+memory, e.g. `--width 2048 --global_batch 4096`). `--png` draws the
 timelines (one row per stage, forwards light, backwards dark).
 """
 
@@ -83,15 +86,17 @@ def model_flags(args) -> list:
             "--optimizer=adam"]
 
 
-def read_timeline(prefix: str) -> list:
-    """[(stage, kind, micro-batch, inputs there, end)] of the last step, both workers."""
-    rows = []
+def read_timeline(prefix: str) -> tuple:
+    """([(stage, kind, micro-batch, inputs there, end)] of the last step, both
+    workers; each stage process's peak resident memory in bytes)."""
+    rows, peaks = [], []
     for k in range(2):
         with open(f"{prefix}-{k}.json") as f:
             data = json.load(f)
         rows += [(data["stage"], kind, i, ready, end)
                  for kind, i, _start, ready, end in data["items"]]
-    return rows
+        peaks.append(data["peak_rss_bytes"])
+    return rows, peaks
 
 
 def bubble(rows: list, stages: int = 2) -> tuple:
@@ -144,7 +149,8 @@ def main() -> None:
     m = args.microbatches
     rows, timelines = [], {}
     base = summary([TRAIN, "--strategy=default", *model_flags(args)], timeout=args.timeout)
-    rows.append(["default (1 process, both cores)", "", f"{base['examples_per_sec']:.0f}"])
+    rows.append(["default (1 process, both cores)", "",
+                 f"{base['peak_rss_bytes'] / 2**20:.0f}", f"{base['examples_per_sec']:.0f}"])
     print(rows[-1], flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         runs = [(1, "1f1b"), (m, "1f1b"), (m, "gpipe")]
@@ -154,19 +160,22 @@ def main() -> None:
             run = pipeline_run(args, microbatches, kind, prefix)
             name = f"pipeline M={microbatches}" + (f" {kind}" if microbatches > 1 else "")
             results[name] = run
-            measured, span = bubble(read_timeline(prefix))
+            timeline, peaks = read_timeline(prefix)
+            measured, span = bubble(timeline)
             if microbatches > 1:
-                timelines[name] = read_timeline(prefix)
+                timelines[name] = timeline
             ideal = 1 / (microbatches + 1)
             rows.append([name, f"{measured:.0%} (ideal {ideal:.0%}; step {span:.0f} ms)",
+                         " / ".join(f"{p / 2**20:.0f}" for p in peaks),
                          f"{run['examples_per_sec']:.0f}"])
             print(rows[-1], flush=True)
         single = results["pipeline M=1"]["examples_per_sec"]
         for row in rows:
-            speed = float(row[2])
+            speed = float(row[3])
             row += [f"{speed / single:.2f}x", f"{speed / base['examples_per_sec']:.2f}x"]
     print(f"stages: {results['pipeline M=1'].get('stage_layers')}")
-    print(table(rows, ["run", "bubble (last step)", "ex/s", "vs M=1", "vs default"]))
+    print(table(rows, ["run", "bubble (last step)", "peak RSS MiB (stage 0 / 1)", "ex/s",
+                       "vs M=1", "vs default"]))
     if args.png:
         draw(timelines, args.png)
         print(f"timelines: {args.png}")

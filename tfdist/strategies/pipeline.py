@@ -1,10 +1,10 @@
-"""`pipeline`: pipeline parallelism over the devices of one process (issue 22).
+"""`pipeline`: pipeline parallelism over local devices or processes (issue 22).
 
 The model is split into --pipeline_stages stages (`tfdist.pipeline.split`:
 balanced by FLOPs over its blocks, or at --pipeline_split's layers); stage s
-lives on device s (its layers' variables and their optimizer slots there),
-and each global batch is cut into --accum_steps (alias --microbatches)
-micro-batches that flow through the stages on a GPipe or 1F1B schedule
+lives on device s (its layers' variables and their optimizer slots there) or
+in worker s, and each global batch is cut into --microbatches (the same
+number as --accum_steps) micro-batches that flow through the stages on a GPipe or 1F1B schedule
 (`tfdist.pipeline.schedule`). One traced program holds every stage's items;
 each stage's items are chained with control dependencies in its schedule's
 order, so each device runs its own schedule and the stages' work overlaps
@@ -46,6 +46,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 
 import tensorflow as tf
 
@@ -189,9 +190,11 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
 
     def _prepare_timeline(self) -> None:
         """With TFDIST_PIPELINE_TIMELINE=PREFIX (bench/pipeline.py), a worker
-        of a cross-process pipeline records the wall-clock start and end of
-        each of its items in the last step of every loop, and `close` writes
-        them to PREFIX-<worker>.json: the per-stage timeline and bubble."""
+        of a cross-process pipeline records, for each of its items in the last
+        step of every loop, the wall-clock time it started, the time its
+        inputs were there (received, or read) and the time it ended, and
+        `close` writes them to PREFIX-<worker>.json: the per-stage timeline
+        and bubble (an item's busy time runs from its inputs to its end)."""
         self._timeline = None
         prefix = os.environ.get("TFDIST_PIPELINE_TIMELINE")
         if prefix and self.processes:
@@ -209,6 +212,9 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                 json.dump({"stage": self.stage, "replica": self.replica,
                            "schedule": self.config.pipeline_schedule,
                            "microbatches": self._microbatches,
+                           # this process's peak resident memory (Linux: KiB)
+                           "peak_rss_bytes": resource.getrusage(
+                               resource.RUSAGE_SELF).ru_maxrss * 1024,
                            # [kind, micro-batch, started, inputs there, ended]
                            "items": [[kind, i, *times] for (kind, i), times
                                      in zip(self._timeline_items, stamps)]}, f)
@@ -276,6 +282,9 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
 
     # -- the step ----------------------------------------------------------------
     def local_gradients(self, losses, x, y, weight):
+        """This process's stages' gradients (zeros for the other stages'
+        variables), in the order of `losses.variables`; in one process, summed
+        over its pipeline replicas."""
         from tfdist.training.trainer import LocalGradients
         m = losses.micro_batches
         replicas = 1 if self.processes else self.pipeline_replicas
