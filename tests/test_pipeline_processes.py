@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 # Two runs in one cluster (tests/mw_worker.py's list mode: one TensorFlow
 # start-up per worker): S=2 stages x R=2 pipeline replicas under 1F1B, and
-# the cnn (BatchNorm) on S=4 stages under GPipe. Each run's 4 workers
+# the cnn (BatchNorm) on S=4 stages under GPipe in bf16. Each run's 4 workers
 # end bit-identical (every worker applies the same update), equal to the same
 # micro-batches accumulated on one device within tests/test_pipeline.py's
 # tolerance, and the BatchNorm statistics every worker ends with are its stage
@@ -32,9 +32,12 @@ PROCESS_RUNS = {
     "2 stages x 2 replicas, 1f1b": {"strategy": {"pipeline_stages": 2}},
     # R=1: with R pipeline replicas BatchNorm would normalise over other
     # micro-batches than one device's (each replica's share of the batch).
-    # The middle stages receive and send in both directions.
-    "cnn, 4 stages, gpipe": {"strategy": {"pipeline_stages": 4, "pipeline_schedule": "gpipe"},
-                             "model": {"name": "cnn", "depth": 1}, "accum_steps": 2},
+    # The middle stages receive and send in both directions. bf16: boundary
+    # tensors travel as float32 (TensorFlow's collectives take no bfloat16),
+    # exactly, so with the same micro-batches as one device nothing changes.
+    "cnn, 4 stages, gpipe, bf16": {
+        "strategy": {"pipeline_stages": 4, "pipeline_schedule": "gpipe"},
+        "model": {"name": "cnn", "depth": 1}, "accum_steps": 2, "precision": "mixed_bfloat16"},
 }
 
 
@@ -49,6 +52,7 @@ def process_runs(tmp_path_factory):
         initials[name] = models.build(model, IMAGE_SPEC).get_weights()
         np.savez(directory / str(k) / "initial.npz", *initials[name])
         runs.append({"accum_steps": overrides.get("accum_steps", 4),
+                     "precision": overrides.get("precision", "float32"),
                      "model": dataclasses.asdict(model),
                      "strategy": {"collective_timeout_s": 60, **overrides["strategy"]}})
     result = subprocess.run(
@@ -70,7 +74,10 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
     for other in workers[1:]:
         for a, b in zip(workers[0], other):
             np.testing.assert_array_equal(a, b)   # every worker applied the same update
-    config = mw_config("default", 4, accum_steps=run["accum_steps"])
+    # Without XLA, as the pipeline runs (`auto` would compile the reference,
+    # and XLA on CPU computes bf16 matmuls in float32).
+    config = mw_config("default", 4, accum_steps=run["accum_steps"],
+                       precision=run["precision"], jit_compile="off")
     config = config.replace(model=config.model.replace(**run["model"]))
     single = train_from(config, initial)
     assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3

@@ -477,9 +477,16 @@ class _Transfer:
     def _dtype(self, first: int):
         return tf.as_dtype(self._strategy._stage_models[first].output.dtype)
 
+    def _wire(self, first: int):
+        """The dtype a boundary tensor travels in: TensorFlow's collectives
+        take no bfloat16 (TF 2.21), so bfloat16 goes as float32 (exactly:
+        every bfloat16 is a float32) and is cast back on arrival."""
+        dtype = self._dtype(first)
+        return tf.float32 if dtype == tf.bfloat16 else dtype
+
     def _send(self, value, first: int, instance: int):
         return tf.raw_ops.CollectiveBcastSendV2(
-            input=tf.cast(value, self._dtype(first)), group_size=2, group_key=self._group(first),
+            input=tf.cast(value, self._wire(first)), group_size=2, group_key=self._group(first),
             instance_key=self.INSTANCE_BASE + instance, communication_hint="auto",
             timeout_seconds=self._timeout)
 
@@ -490,10 +497,11 @@ class _Transfer:
         # transfer's latency hides behind this stage's other items.
         with tf.control_dependencies(None):
             shape = tf.concat([[self._rows], tf.constant(boundary.shape[1:], tf.int32)], 0)
-            return tf.raw_ops.CollectiveBcastRecvV2(
+            received = tf.raw_ops.CollectiveBcastRecvV2(
                 group_size=2, group_key=self._group(first),
-                instance_key=self.INSTANCE_BASE + instance, shape=shape, T=self._dtype(first),
+                instance_key=self.INSTANCE_BASE + instance, shape=shape, T=self._wire(first),
                 communication_hint="auto", timeout_seconds=self._timeout)
+        return tf.cast(received, self._dtype(first))
 
     def send_activation(self, stage: int, i: int, value):
         return self._send(value, stage, 2 * i)
