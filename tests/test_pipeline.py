@@ -25,7 +25,7 @@ import pytest
 
 import tfdist
 from tfdist import compat
-from tfdist.errors import UsageError
+from tfdist.errors import UsageError, WorkerFault
 from tfdist.pipeline import schedule
 
 from common import (IMAGE_SPEC, TOKEN_SPEC, assert_weights_close, image_dataset_fn, run_cli_cases,
@@ -197,7 +197,7 @@ def test_the_cli_prints_stages_and_refuses_bad_input_before_training():
         assert "step 1/" not in result.stderr
 
 
-def test_a_stage_fault_names_the_stage_and_its_device(tmp_path):
+def test_a_stage_fault_names_the_stage_and_its_device():
     def model_fn(spec):
         inputs = keras.Input(spec.input_shape)
         x = keras.layers.Flatten(name="flatten")(inputs)
@@ -213,7 +213,7 @@ def test_a_stage_fault_names_the_stage_and_its_device(tmp_path):
         return tf.zeros_like(t)
 
     config = _config("pipeline", split=("faulty",))
-    with pytest.raises(tfdist.WorkerFault if hasattr(tfdist, "WorkerFault") else Exception,
+    with pytest.raises(WorkerFault,
                        match=r"pipeline stage 1 on /device:CPU:1 \(forward of micro-batch 0\)"):
         tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
 
