@@ -229,6 +229,19 @@ def test_not_prepared_and_online_lets_tfds_download(tmp_path, monkeypatch):
         f"Downloading and preparing --dataset=tfdist_test_train_only into --data_dir={tmp_path}")]
 
 
+def test_a_builder_opened_while_another_worker_prepared_the_data_is_reopened(tmp_path,
+                                                                             monkeypatch):
+    # Workers sharing a fresh data_dir: this one opened its builder before
+    # another finished preparing (its info lists no splits), and checks after.
+    monkeypatch.setattr(tfds_inputs, "network_reachable", lambda *a, **k: True)
+    config = DataConfig(dataset="tfdist_test_train_only", data_dir=str(tmp_path))
+    stale = tfds_inputs._builder(config)
+    assert not stale.info.splits   # the control: what was read before the data existed
+    tfds_inputs._builder(config).download_and_prepare()   # the other worker
+    assert stale.is_prepared()
+    assert "train" in tfds_inputs._prepare(stale, config).info.splits
+
+
 def test_network_probe(monkeypatch):
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

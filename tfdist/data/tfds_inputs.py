@@ -121,7 +121,10 @@ def _prepare(builder, config: DataConfig):
     its info lists the new splits.
     """
     if builder.is_prepared():
-        return builder
+        # Opened while another local worker was still preparing it: its info
+        # was read then and lists no splits; reopen to read the finished one
+        # (found under Slurm: a task failed "has no 'train' split").
+        return builder if builder.info.splits else _builder(config)
     data_dir = str(builder.data_dir_root)
     quoted = _q(data_dir)
     bundled = isinstance(builder, OfflineBuilder)
