@@ -58,6 +58,9 @@ import subprocess
 import sys
 import time
 
+# Each stage's items in schedule order (also what bench/pipeline_p2p_probe.py imports).
+from tfdist.pipeline.schedule import schedule
+
 W, L, B = 1024, 3, 512
 
 
@@ -75,27 +78,6 @@ def server(index: int, cluster: dict) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name="worker", task_index=index,
                          protocol="grpc").join()
-
-
-def schedule(m: int, kind: str, stages: int = 2) -> list:
-    """Each stage's items in order, [("F"|"B", micro-batch)]. GPipe: every
-    forward, then every backward. 1F1B: stage s runs S-1-s forwards first, then
-    one forward and one backward in turn, then the remaining backwards."""
-    if kind == "gpipe":
-        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-                for _ in range(stages)]
-    out = []
-    for s in range(stages):
-        warm = min(m, stages - 1 - s)
-        order, f, b = [("F", i) for i in range(warm)], warm, 0
-        while b < m:
-            if f < m:
-                order.append(("F", f))
-                f += 1
-            order.append(("B", b))
-            b += 1
-        out.append(order)
-    return out
 
 
 def client(cluster: dict, modes: list, microbatches: int, repeats: int) -> None:
