@@ -304,34 +304,34 @@ def layout_rows(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
 def _on_mesh(config, model_fn, dataset_fn, spec, layout_rules, fn):
     """`fn(strategy, model, optimizer)` with the model and optimizer built on
     the run's mesh (nothing trained)."""
-    strategies.check_name(config.strategy.name)
-    strategy = strategies.create(config.strategy)
-    if not isinstance(strategy, TensorSharding):
-        raise UsageError(f"--print_layouts describes tensor sharding; --strategy="
-                         f"{config.strategy.name} does not shard tensors (use dtensor)")
-    strategy.setup()
-    try:
-        inputs = _inputs(config, dataset_fn, spec)
-        model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
-        return fn(strategy, model, optimizer)
-    finally:
-        strategy.close()
+    return _built(config, TensorSharding, "--print_layouts describes tensor sharding; "
+                  "--strategy={} does not shard tensors (use dtensor)",
+                  model_fn, dataset_fn, spec, layout_rules, fn)
 
 
 def describe_stages(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None) -> str:
     """`--print_stages`: the pipeline's stages (device, layers, parameters,
     forward FLOPs) and what its schedule holds, for `config` (nothing trained)."""
+    return _built(config, PipelineStages, "--print_stages describes pipeline stages; "
+                  "--strategy={} has none (use --strategy=pipeline)",
+                  model_fn, dataset_fn, spec, None,
+                  lambda strategy, model, optimizer: strategy.stage_report(model))
+
+
+def _built(config, interface, refusal, model_fn, dataset_fn, spec, layout_rules, fn):
+    """`fn(strategy, model, optimizer)` with the model and optimizer built
+    under the run's engine, which must implement `interface` (else `refusal`,
+    formatted with the engine's name); nothing trained."""
     strategies.check_name(config.strategy.name)
     strategy = strategies.create(config.strategy)
-    if not isinstance(strategy, PipelineStages):
-        raise UsageError(f"--print_stages describes pipeline stages; --strategy="
-                         f"{config.strategy.name} has none (use --strategy=pipeline)")
+    if not isinstance(strategy, interface):
+        raise UsageError(refusal.format(config.strategy.name))
     strategy.setup()
     try:
         strategy.check_config(config)
         inputs = _inputs(config, dataset_fn, spec)
-        model, _ = _build(config, strategy, model_fn, inputs, 1, None)
-        return strategy.stage_report(model)
+        model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
+        return fn(strategy, model, optimizer)
     finally:
         strategy.close()
 

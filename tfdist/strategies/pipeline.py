@@ -299,15 +299,12 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             for into, more in ((grads, more_grads), (separate, more_separate)):
                 for key, value in more.items():
                     into[key] = value if key not in into else into[key] + value
-        order = losses.variables
-        data = [grads.get(id(v), None) for v in order]
-        data = [g if g is not None else tf.zeros(v.shape, v.dtype) for g, v in zip(data, order)]
-        regularization = []
-        if separate:
-            regularization = [separate.get(id(v), None) for v in order]
-            regularization = [g if g is not None else tf.zeros(v.shape, v.dtype)
-                              for g, v in zip(regularization, order)]
-        return LocalGradients(data, regularization, counters, losses.provisional_divisor())
+        def in_order(by_variable):   # zeros for the other processes' stages
+            return [by_variable[id(v)] if id(v) in by_variable else tf.zeros(v.shape, v.dtype)
+                    for v in losses.variables]
+
+        return LocalGradients(in_order(grads), in_order(separate) if separate else [],
+                              counters, losses.provisional_divisor())
 
     def _pipeline(self, losses, parts, replica, in_process_replicas):
         """One pipeline replica's items of this process's stages: ({id(variable):
