@@ -148,3 +148,24 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     if os.path.basename(str(item.fspath)) == "test_horovod.py":
         wait_for_horovod_build()
+
+
+_FILE_SECONDS = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test file's time (setup, call and teardown of its tests; with
+    xdist, as the workers report them), for `pytest_terminal_summary`."""
+    name = report.nodeid.split("::")[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest test files: --dist loadfile runs each file in one worker,
+    so the suite's wall time is bounded below by the largest of these."""
+    if not _FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest test files (all files: {total:.0f}s of worker time)")
+    for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {name}")

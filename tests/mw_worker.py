@@ -5,10 +5,10 @@ Run by tests under tfdist-launch (TF_CONFIG set per worker):
 Loads OUT_DIR/initial.npz, trains (TrainConfig fields overridden by the JSON,
 e.g. {"accum_steps": 4}; its "strategy" and "model" entries override StrategyConfig
 and ModelConfig fields, e.g. {"strategy": {"mesh": "batch:2,model:2"}}, "data" DataConfig
-fields; "task" names
+fields, "optimizer" OptimizerConfig fields; "task" names
 a case of test_tasks.CASES: its model, data, loss and metrics; "nan": true feeds
 test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
-OUT_DIR/weights-<worker>.npz (and, with a task or "nan", summary-<worker>.json; under
+OUT_DIR/weights-<worker>.npz and optimizer-<worker>.npz (its variables) (and, with a task or "nan", summary-<worker>.json; under
 dtensor, predictions-<worker>.npy: the trained model's outputs on PROBE).
 Errors end the process as tfdist-train's do (`tfdist.app.run`): a fault is one
 line, `mw_worker.py: fault: ...`, exit status 1.
@@ -88,12 +88,14 @@ def _main(out_dir, strategy, steps, overrides):
     strategy_fields = overrides.pop("strategy", {})   # StrategyConfig fields, e.g. mesh
     model_fields = overrides.pop("model", {})
     data_fields = overrides.pop("data", {})
+    optimizer_fields = overrides.pop("optimizer", {})
     task = overrides.pop("task", None)
     nan = overrides.pop("nan", False)
     config = mw_config(strategy, int(steps), **overrides)
     config = config.replace(strategy=dataclasses.replace(config.strategy, **strategy_fields),
                             model=dataclasses.replace(config.model, **model_fields),
-                            data=dataclasses.replace(config.data, **data_fields))
+                            data=dataclasses.replace(config.data, **data_fields),
+                            optimizer=dataclasses.replace(config.optimizer, **optimizer_fields))
     if task:
         import tfdist
         from test_tasks import run_case
@@ -106,6 +108,8 @@ def _main(out_dir, strategy, steps, overrides):
     index = os.environ.get("HOROVOD_RANK") or str(
         json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"])
     np.savez(os.path.join(out_dir, f"weights-{index}.npz"), *result.model.get_weights())
+    np.savez(os.path.join(out_dir, f"optimizer-{index}.npz"),
+             *[v.numpy() for v in result.optimizer.variables])
     if strategy == "dtensor":   # the trained model on host data, in every process
         np.save(os.path.join(out_dir, f"predictions-{index}.npy"),
                 result.model.predict(PROBE, verbose=0))

@@ -572,3 +572,46 @@ def test_move_variable_check():
     with pytest.raises(compat.UpstreamChanged) as raised:
         compat.move_variable(object(), "/device:CPU:1")
     assert_one_line_change(raised, "_value")
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.Adam(), lambda: keras.optimizers.AdamW(),
+    lambda: keras.optimizers.SGD(momentum=0.9), lambda: keras.optimizers.RMSprop(momentum=0.5),
+    lambda: keras.optimizers.Adagrad()])
+def test_optimizer_slots(optimizer):
+    # Paths chosen so that one is a prefix of another's ("dense" and "dense_1";
+    # "dense/kernel" -> "dense_kernel_" vs "dense_1/kernel" -> "dense_1_kernel_").
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense"),
+                              keras.layers.Dense(2, name="dense_1")])
+    optimizer = optimizer()
+    optimizer.build(model.trainable_variables)
+    slots = compat.optimizer_slots(optimizer, model.trainable_variables)
+    found = [s for group in slots for s in group]
+    assert found and len({id(s) for s in found}) == len(found)
+    for variable, group in zip(model.trainable_variables, slots):
+        assert group and all(tuple(s.shape) == tuple(variable.shape) for s in group)
+    # Every non-scalar optimizer variable is someone's slot (the control: the
+    # scalars left over are the step counter and such).
+    left = [v for v in optimizer.variables if id(v) not in {id(s) for s in found}]
+    assert left and all(len(v.shape) == 0 for v in left)
+    # What the slots are for: each holds its own variable's state only.
+    grads = [tf.ones_like(v) if k == 0 else tf.zeros_like(v)
+             for k, v in enumerate(model.trainable_variables)]
+    before = [[s.numpy().copy() for s in group] for group in slots]
+    optimizer.apply(grads[:1], model.trainable_variables[:1])
+    assert any(not np.array_equal(s.numpy(), b) for s, b in zip(slots[0], before[0]))
+    for group, was in zip(slots[1:], before[1:]):
+        for s, b in zip(group, was):
+            np.testing.assert_array_equal(s.numpy(), b)
+
+
+def test_optimizer_slots_check():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense")])
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    with tf.init_scope():
+        stray = optimizer.add_variable((4,), name="not_a_slot")   # named after no variable
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.optimizer_slots(optimizer, model.trainable_variables)
+    assert_one_line_change(raised, "not_a_slot")
+    assert stray is not None

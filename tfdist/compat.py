@@ -756,3 +756,34 @@ def move_variable(variable, device: str) -> None:
     adopt(new)
     if variable.value is not new:
         raise _changed(what, "did not adopt the given tf.Variable")
+
+
+def optimizer_slots(optimizer, variables) -> list:
+    """For each of `variables` (trainable, the optimizer built on them), the
+    optimizer's variables that hold state of that variable alone (Adam's two
+    moments, SGD's momentum, ...), as lists in `variables`' order.
+
+    What: Keras 3 names such a slot, in `add_variable_from_reference`, after
+    its reference variable's path with "/" replaced by "_", then "_<slot>"
+    (e.g. `dense_kernel_momentum`); Keras has no public map from a slot to
+    its variable. Why: across processes a pipeline worker updates only its
+    stage's variables and their slots (`tfdist.strategies.pipeline`), and
+    every worker takes the others' from their owners after each loop, so it
+    must know which slots are whose. Verified on keras 3.15.1 (Adam, AdamW,
+    SGD with momentum, RMSprop, Adagrad). Check: every optimizer variable
+    that is not a scalar (the step counter, a learning rate) is matched to
+    one of `variables` (the longest matching name prefix); an optimizer whose
+    state is not named so fails here, loudly, rather than go stale.
+    """
+    prefixes = [v.path.replace("/", "_") + "_" for v in variables]
+    slots = [[] for _ in variables]
+    for slot in optimizer.variables:
+        matches = [k for k, prefix in enumerate(prefixes) if slot.name.startswith(prefix)]
+        if not matches:
+            if len(slot.shape):
+                raise _changed(f"keras optimizer slot naming ({slot.path!r} matches no "
+                               "variable's path)", "has changed")
+            continue
+        owner = max(matches, key=lambda k: len(prefixes[k]))
+        slots[owner].append(slot)
+    return slots

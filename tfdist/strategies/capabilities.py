@@ -145,8 +145,10 @@ class PipelineStages(Capability):
     flow through the stages on a schedule (GPipe or 1F1B). The engine places
     the model once it is built, before its optimizer is (so that the slots
     land beside their variables), and computes a replica's gradients over its
-    micro-batches in place of the trainer's accumulation loop; the trainer's
-    reduction and update are unchanged."""
+    micro-batches in place of the trainer's accumulation loop. Where each
+    process holds some stages only (`splits_update`), it also reduces and
+    applies the update of its stages' variables only, and shares them with
+    the other processes after each loop (`owner_value`)."""
 
     @abc.abstractmethod
     def place_model(self, model) -> None:
@@ -170,3 +172,29 @@ class PipelineStages(Capability):
         `step_copies`: where only some processes run `variable`'s stage, they
         contribute scaled values and the others zeros. Default: `value`."""
         return value
+
+    #: Whether each process updates only its own stages' variables: the
+    #: trainer then uses `updated_variables`, `reduce_update`, `global_norm`
+    #: and, after each loop, `owner_value` for every variable it did not update.
+    splits_update = False
+
+    def updated_variables(self, variables) -> list:
+        """Those of the trainable `variables` this process updates, in order."""
+        return list(variables)
+
+    def reduce_update(self, grads, counters):
+        """(`grads` of `updated_variables` summed over the processes that
+        update them, `counters` summed over all): replaces the trainer's one
+        reduction where `splits_update`."""
+        raise NotImplementedError
+
+    def global_norm(self, grads):
+        """The norm of the whole model's reduced gradient, of which `grads`
+        (reduced, of `updated_variables`) is this process's part."""
+        raise NotImplementedError
+
+    def owner_value(self, variable, value):
+        """`value` where this process is `variable`'s owner (it updates it; one
+        process per variable), else zeros: summed over the step's copies, every
+        process gets the owner's value."""
+        raise NotImplementedError

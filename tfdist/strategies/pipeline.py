@@ -22,15 +22,18 @@ Where it runs:
   its own program (one client per stage: bench/pipeline_probe.py measured
   that one client driving several tasks runs their parts one after the
   other), and sends boundary tensors to its neighbours point to point
-  (`CollectiveBcastSendV2`/`RecvV2` in a group of two). Every worker keeps
-  the whole model and optimizer: its gradients are its stage's (zeros for
-  the other stages' variables), and the trainer's one all-reduce of the
-  update (MultiWorkerMirroredStrategy's, over all N workers) gives every
-  worker the whole gradient summed over the pipeline replicas, so every
-  worker applies the same update and checkpoints, evaluation, export and
-  fault handling are multi_worker's. The price: each worker holds all
-  parameters and optimizer state, and the all-reduce moves the whole
-  gradient rather than each stage's among its R replicas.
+  (`CollectiveBcastSendV2`/`RecvV2` in a group of two). Each worker
+  updates only its stage (`splits_update`): it sums its stage's gradients
+  with the same stage of the other R - 1 pipeline replicas (a collective
+  among those R workers; none for R = 1), the loss and metric counters and
+  the clipping norm over all N, and applies the optimizer to its stage's
+  variables. After each loop every worker takes every variable and
+  optimizer slot from its stage's owner (replica 0), and BatchNorm
+  statistics from their stages' owners, so between loops every worker
+  holds the same whole model and checkpoints, evaluation, export and fault
+  handling are multi_worker's. Each worker still holds every parameter
+  and slot (the model is built whole before it is split): a stage's
+  processes compute and update 1/S of the model, but memory is not 1/S.
 
 The update equals gradient accumulation of the same micro-batches on one
 device: each micro-batch's loss is the trainer's (`MicroBatchLoss`), its
@@ -161,6 +164,10 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         if tc.reduce_bucket_mb:
             raise UsageError(f"--reduce_bucket_mb={tc.reduce_bucket_mb}: --strategy=pipeline "
                              "makes one reduction per update; use --reduce_bucket_mb=0")
+        if self.processes and tc.precision == "mixed_float16":
+            raise UsageError("--precision=mixed_float16: across processes each pipeline "
+                             "worker applies its own stage's update, and fp16 loss scaling "
+                             "would skip steps stage by stage; use mixed_bfloat16 or float32")
         if self.processes and tc.grad_agreement_every:
             raise UsageError(f"--grad_agreement_every={tc.grad_agreement_every}: across "
                              "processes a pipeline worker holds one stage's gradients, not a "
@@ -220,6 +227,39 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                                      in zip(self._timeline_items, stamps)]}, f)
             self._timeline = None
         super().close()
+
+    # -- the update, across processes: each worker its stage's ---------------------
+    @property
+    def splits_update(self) -> bool:
+        return self.processes
+
+    def updated_variables(self, variables) -> list:
+        if not self.processes:
+            return list(variables)
+        return [v for v in variables if id(v) in self._held]
+
+    def reduce_update(self, grads, counters):
+        """The stage's gradients summed over its R pipeline replicas (one
+        collective per dtype among those R workers; none for R = 1), the
+        counters over all N workers (the loss and metrics are counted on the
+        last stage, zeros elsewhere)."""
+        counters = self.all_reduce_sum([counters])[0]
+        if self.pipeline_replicas == 1:
+            return list(grads), counters
+        return _StageGroup(self).all_reduce_sum(grads), counters
+
+    def global_norm(self, grads):
+        """Each stage's squared norm from its replica 0, summed over all workers."""
+        squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads]
+                           or [tf.zeros([])])
+        if self.replica:
+            squares = tf.zeros_like(squares)
+        return tf.sqrt(self.all_reduce_sum([squares])[0])
+
+    def owner_value(self, variable, value):
+        if id(variable) in self._held and self.replica == 0:
+            return value
+        return tf.zeros_like(value)
 
     def state_share(self, variable, value):
         """Across processes, the R workers of `variable`'s stage hold its
@@ -282,9 +322,9 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
 
     # -- the step ----------------------------------------------------------------
     def local_gradients(self, losses, x, y, weight):
-        """This process's stages' gradients (zeros for the other stages'
-        variables), in the order of `losses.variables`; in one process, summed
-        over its pipeline replicas."""
+        """This process's stages' gradients, in the order of
+        `updated_variables(losses.variables)`; in one process, every stage's,
+        summed over its pipeline replicas."""
         from tfdist.training.trainer import LocalGradients
         m = losses.micro_batches
         replicas = 1 if self.processes else self.pipeline_replicas
@@ -299,9 +339,8 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             for into, more in ((grads, more_grads), (separate, more_separate)):
                 for key, value in more.items():
                     into[key] = value if key not in into else into[key] + value
-        def in_order(by_variable):   # zeros for the other processes' stages
-            return [by_variable[id(v)] if id(v) in by_variable else tf.zeros(v.shape, v.dtype)
-                    for v in losses.variables]
+        def in_order(by_variable):
+            return [by_variable[id(v)] for v in self.updated_variables(losses.variables)]
 
         return LocalGradients(in_order(grads), in_order(separate) if separate else [],
                               counters, losses.provisional_divisor())
@@ -511,3 +550,35 @@ class _Transfer:
 
     def receive_gradient(self, stage: int, i: int):
         return self._receive(stage, 2 * i + 1)
+
+
+class _StageGroup:
+    """The R workers that run one stage (one per pipeline replica), as a
+    collective group: their gradients summed, one collective per dtype."""
+
+    GROUP_BASE = _Transfer.GROUP_BASE + (1 << 16)   # beside the stage pairs' groups
+    INSTANCE_BASE = _Transfer.INSTANCE_BASE + (1 << 16)
+
+    def __init__(self, strategy: PipelineStrategy):
+        self._strategy = strategy
+
+    def all_reduce_sum(self, tensors) -> list:
+        tensors = list(tensors)
+        by_dtype = {}
+        for position, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(position)
+        out = [None] * len(tensors)
+        for k, (dtype, positions) in enumerate(sorted(by_dtype.items(), key=lambda d: d[0].name)):
+            # bfloat16 (--grad_compression=bf16) goes as float32, as boundaries do.
+            wire = tf.float32 if dtype == tf.bfloat16 else dtype
+            flat = tf.concat([tf.reshape(tf.cast(tensors[p], wire), [-1]) for p in positions], 0)
+            summed = tf.raw_ops.CollectiveReduceV2(
+                input=flat, group_size=self._strategy.pipeline_replicas,
+                group_key=self.GROUP_BASE + self._strategy.stage,
+                instance_key=self.INSTANCE_BASE + k, ordering_token=[], merge_op="Add",
+                final_op="Id", communication_hint="auto",
+                timeout_seconds=float(self._strategy.config.collective_timeout_s))
+            sizes = [tensors[p].shape.num_elements() for p in positions]
+            for p, part in zip(positions, tf.split(summed, sizes)):
+                out[p] = tf.cast(tf.reshape(part, tensors[p].shape), dtype)
+        return out

@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 import keras
 import tensorflow as tf
 
+from tfdist import compat
 from tfdist.errors import UsageError, first_line
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, TensorSharding,
@@ -129,6 +130,12 @@ class Trainer:
         self.jit_level = jit_level
         self.sharded = capability(strategy, TensorSharding)
         self.pipeline = capability(strategy, PipelineStages)
+        # Across processes a pipeline worker updates only its stages' variables
+        # (`PipelineStages.splits_update`): it reduces, clips and applies those,
+        # and takes the rest from their owners after each loop.
+        self.split_update = bool(self.pipeline and self.pipeline.splits_update)
+        self.updated_variables = (self.pipeline.updated_variables(model.trainable_variables)
+                                  if self.split_update else model.trainable_variables)
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -301,10 +308,15 @@ class Trainer:
         return reduced
 
     def _global_gradients(self, local: LocalGradients):
-        """(the global gradient, the reduced counters): one cross-replica sum."""
-        variables = self.model.trainable_variables
+        """(the global gradient of `updated_variables`, the reduced counters):
+        one cross-replica sum."""
+        variables = self.updated_variables
         sent = self.compression.compress(local.data + local.regularization)
-        reduced = self._reduce(sent + [local.counters])
+        if self.split_update:
+            summed, counters = self.pipeline.reduce_update(sent, local.counters)
+            reduced = [*summed, counters]
+        else:
+            reduced = self._reduce(sent + [local.counters])
         grads = self.compression.decompress(
             reduced[:-1], variables * (2 if local.regularization else 1))
         counters = reduced[-1]
@@ -327,14 +339,26 @@ class Trainer:
         local = self._gradients_fn(x, y, weight)
         grads, counters = self._global_gradients(local)
         out = {"counters": counters, "grad_norm": tf.zeros([])}
+        norm = None
+        clip = self.optimizer.global_clipnorm if self.split_update else None
+        if report or clip:
+            norm = (self.pipeline.global_norm(grads) if self.split_update
+                    else tf.linalg.global_norm(grads))
+        if clip:
+            # Keras's `global_clipnorm` would clip this process's stages by
+            # their own norm: clip by the whole model's, as Keras does
+            # (scale = clip * min(1/norm, 1/clip)); Keras's own clip of the
+            # result then scales by 1 (within an ulp).
+            scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
+            grads = [g * tf.cast(scale, g.dtype) for g in grads]
         if report:  # the global gradient's norm, before clipping, without loss scaling
-            out["grad_norm"] = tf.linalg.global_norm(grads)
+            out["grad_norm"] = norm
             scale = Precision.dynamic_scale(self.optimizer)
             if scale is not None:
                 out["grad_norm"] = out["grad_norm"] / tf.cast(scale, tf.float32)
         if measure_agreement:
             out["agreement"] = self._replica_agreement(local.data, grads)
-        variables = self.model.trainable_variables
+        variables = self.updated_variables
         nonfinite.apply_unless_nonfinite(
             self.strategy, self.train_config.on_nonfinite, counters,
             lambda g: self.optimizer.apply(g, variables), grads)
@@ -348,6 +372,15 @@ class Trainer:
         cosine = dot / (tf.linalg.global_norm(local) * tf.linalg.global_norm(summed) + 1e-30)
         mine = tf.one_hot(self.strategy.replica_id(), self.strategy.num_replicas) * cosine
         return self.strategy.all_reduce_sum([mine])[0]
+
+    def _owned_state(self) -> list:
+        """(variable, the trainable variable whose owner holds it) for every
+        trainable variable and optimizer slot, where `split_update`."""
+        trainable = self.model.trainable_variables
+        pairs = [(v, v) for v in trainable]
+        for variable, slots in zip(trainable, compat.optimizer_slots(self.optimizer, trainable)):
+            pairs += [(slot, variable) for slot in slots]
+        return pairs
 
     def _synced_state(self):
         return [v for v in self.model.non_trainable_variables if "float" in v.dtype]
@@ -402,6 +435,12 @@ class Trainer:
             summed = self.strategy.run(self._replica_sum_state)
             for variable, total in zip(self._synced_state(), summed):
                 variable.assign(total / self.strategy.step_copies)
+        if self.split_update:   # every process takes each variable and slot from its owner
+            owned = self._owned_state()
+            values = self.strategy.run(lambda: self.strategy.all_reduce_sum(
+                [self.pipeline.owner_value(owner, tf.identity(v.value)) for v, owner in owned]))
+            for (variable, _), value in zip(owned, values):
+                variable.assign(value)
         self.step.assign_add(tf.cast(num_steps, tf.int64))
         counters, bad, first_bad = tally
         result = {"counters": counters, "grad_norm": last["grad_norm"], "nonfinite": bad,
