@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 # Adam and clipping, and the cnn (BatchNorm) on S=4 stages under GPipe in
 # bf16. Each worker updates only its stage (its gradients summed with the same
 # stage's other replica, clipped by the whole model's norm summed over all
-# workers) and takes the rest from their owners after each loop: each run's 4
+# workers) and takes the rest from their owners when training ends: each run's 4
 # workers end with bit-identical weights and optimizer slots, equal to the
 # same micro-batches accumulated on one device within tests/test_pipeline.py's
 # tolerance, and the BatchNorm statistics every worker ends with are its stage
@@ -35,7 +35,9 @@ PROCESS_RUNS = {
     # worker clipping by its own stage's norm is off by far more than the tolerance.
     "2 stages x 2 replicas, 1f1b, adam, clip": {
         "strategy": {"pipeline_stages": 2},
-        "optimizer": {"name": "adam", "learning_rate": 0.01, "clip_grad_norm": 0.1}},
+        "optimizer": {"name": "adam", "learning_rate": 0.01, "clip_grad_norm": 0.1},
+        # two loops: the stages are shared only once, at the end
+        "steps_per_loop": 2},
     # R=1: with R pipeline replicas BatchNorm would normalise over other
     # micro-batches than one device's (each replica's share of the batch).
     # The middle stages receive and send in both directions. bf16: boundary
@@ -58,6 +60,7 @@ def process_runs(tmp_path_factory):
         initials[name] = models.build(model, IMAGE_SPEC).get_weights()
         np.savez(directory / str(k) / "initial.npz", *initials[name])
         runs.append({"accum_steps": overrides.get("accum_steps", 4),
+                     "steps_per_loop": overrides.get("steps_per_loop", 5),
                      "optimizer": overrides.get("optimizer", {}),
                      "precision": overrides.get("precision", "float32"),
                      "model": dataclasses.asdict(model),

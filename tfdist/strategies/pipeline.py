@@ -27,11 +27,12 @@ Where it runs:
   with the same stage of the other R - 1 pipeline replicas (a collective
   among those R workers; none for R = 1), the loss and metric counters and
   the clipping norm over all N, and applies the optimizer to its stage's
-  variables. After each loop every worker takes every variable and
-  optimizer slot from its stage's owner (replica 0), and BatchNorm
-  statistics from their stages' owners, so between loops every worker
-  holds the same whole model and checkpoints, evaluation, export and fault
-  handling are multi_worker's. Each worker still holds every parameter
+  variables. Before anything reads the whole model (evaluation, a
+  checkpoint, the end of training: `Trainer.share_stages`) every worker
+  takes every variable and optimizer slot from its stage's owner (replica
+  0), and after each loop the BatchNorm statistics from their stages'
+  owners, so checkpoints, evaluation, export and fault handling are
+  multi_worker's. Each worker still holds every parameter
   and slot (the model is built whole before it is split): a stage's
   processes compute and update 1/S of the model, but memory is not 1/S.
 

@@ -123,6 +123,7 @@ class Controller:
             self._time(run, examples, seconds)
             step = stop
             self._after_loop(run, step, totals, examples / seconds)
+        self.trainer.share_stages()   # the whole trained model in every process
         return self._final_metrics(run, step)
 
     def _next_stop(self, step: int) -> int:
@@ -159,6 +160,7 @@ class Controller:
             run.eval_metrics = self.evaluate()
             logged.update(run.eval_metrics)
         if self.checkpointer and (_due(tc.checkpoint_every, step) or step == self.total_steps):
+            self.trainer.share_stages()
             self.checkpointer.save(step)
         if self.strategy.step_copies > 1:   # an explicit all-reduce
             logged["bytes_reduced_per_update"] = self.trainer.bytes_per_update
@@ -198,6 +200,7 @@ class Controller:
         """Loss and metrics over the whole test split (exact, padding excluded)."""
         if self.data.eval_data is None:
             return {}
+        self.trainer.share_stages()
         counters = self.trainer.evaluate_counters(iter(self.data.eval_data),
                                                   self.data.eval_steps)
         return {f"test_{name}": value for name, value in self.trainer.results(counters).items()}
@@ -217,6 +220,7 @@ class Controller:
         if signals.interrupted:
             raise KeyboardInterrupt
         if step < self.total_steps and self.strategy.any_worker(signals.preempted):
+            self.trainer.share_stages()
             saved = self.checkpointer.save(step) if self.checkpointer else None
             if saved is None and self.checkpointer and not self.strategy.is_chief:
                 saved = "(by the chief)"

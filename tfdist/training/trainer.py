@@ -136,6 +136,7 @@ class Trainer:
         self.split_update = bool(self.pipeline and self.pipeline.splits_update)
         self.updated_variables = (self.pipeline.updated_variables(model.trainable_variables)
                                   if self.split_update else model.trainable_variables)
+        self._stages_stale = False   # trained since the last `share_stages`
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -171,6 +172,8 @@ class Trainer:
         else:
             self._train_loop = self.strategy.host_function(self._train_loop_fn)
         self._eval_loop = self.strategy.host_function(self._eval_loop_fn)
+        if self.split_update:
+            self._share_stages = self.strategy.host_function(self._share_stages_fn)
 
     # -- the host's calls ------------------------------------------------------
     def train_loop(self, iterator, num_steps: int, measure_agreement: bool) -> LoopTotals:
@@ -179,7 +182,20 @@ class Trainer:
         measures the per-replica gradient agreement at the last step."""
         with _traced_without_autograph():
             result = self._train_loop(iterator, tf.constant(num_steps), measure_agreement)
+        self._stages_stale = self.split_update
         return result if isinstance(result, LoopTotals) else LoopTotals.from_tensors(result)
+
+    def share_stages(self) -> None:
+        """Where each process updates only its stages (`split_update`): every
+        process takes each variable and optimizer slot from its owner, so all
+        hold the whole trained model. Called by every process before anything
+        reads the whole model (evaluation, checkpoints, the end of training);
+        a no-op when nothing was trained since the last call. Between those,
+        a process's other stages are stale, by design: the exchange moves the
+        whole model and its slots, so it is made once, not after every loop."""
+        if self._stages_stale:
+            self._share_stages()
+            self._stages_stale = False
 
     def evaluate_counters(self, iterator, num_steps: int):
         """Summed loss and metric counters over `num_steps` evaluation batches."""
@@ -373,6 +389,14 @@ class Trainer:
         mine = tf.one_hot(self.strategy.replica_id(), self.strategy.num_replicas) * cosine
         return self.strategy.all_reduce_sum([mine])[0]
 
+    def _share_stages_fn(self):
+        owned = self._owned_state()
+        values = self.strategy.run(lambda: self.strategy.all_reduce_sum(
+            [self.pipeline.owner_value(owner, tf.identity(v.value)) for v, owner in owned]))
+        for (variable, _), value in zip(owned, values):
+            variable.assign(value)
+        return tf.constant(0)
+
     def _owned_state(self) -> list:
         """(variable, the trainable variable whose owner holds it) for every
         trainable variable and optimizer slot, where `split_update`."""
@@ -435,12 +459,6 @@ class Trainer:
             summed = self.strategy.run(self._replica_sum_state)
             for variable, total in zip(self._synced_state(), summed):
                 variable.assign(total / self.strategy.step_copies)
-        if self.split_update:   # every process takes each variable and slot from its owner
-            owned = self._owned_state()
-            values = self.strategy.run(lambda: self.strategy.all_reduce_sum(
-                [self.pipeline.owner_value(owner, tf.identity(v.value)) for v, owner in owned]))
-            for (variable, _), value in zip(owned, values):
-                variable.assign(value)
         self.step.assign_add(tf.cast(num_steps, tf.int64))
         counters, bad, first_bad = tally
         result = {"counters": counters, "grad_norm": last["grad_norm"], "nonfinite": bad,
