@@ -1,7 +1,7 @@
 """Pipeline parallelism across processes (issue 22): S=2 stages, each a process.
 
     .venv/bin/python bench/pipeline.py [--microbatches 8] [--steps 25] [--width 1024]
-        [--depth 6] [--global_batch 512] [--interop 1] [--pin/--nopin] [--png PATH]
+        [--depth 6] [--global_batch 512] [--interop 2] [--pin/--nopin] [--png PATH]
 
 Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
 Adam, float32, no XLA: the pipeline cannot use it):
@@ -10,7 +10,7 @@ Adam, float32, no XLA: the pipeline cannot use it):
   baseline a CPU user has; XLA as --jit_compile=auto picks);
 - `pipeline M=1`: the same model split into the two stages `--print_stages`
   shows, each stage a process (a 2-worker TF_CONFIG cluster) pinned to a core
-  of its own (`--pin`), one intra-op and `--interop` inter-op threads
+  of its own (`--pin`), one intra-op and `--interop` (default 2) inter-op threads
   (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS), no micro-batching;
 - `pipeline M=<M> 1f1b` and `gpipe`: the same with M micro-batches.
 
@@ -137,9 +137,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--global_batch", type=int, default=512)
-    parser.add_argument("--interop", type=int, default=1,
-                        help="inter-op threads per stage process (bench/pipeline_p2p_probe.py "
-                             "found 4 slower than 1)")
+    parser.add_argument("--interop", type=int, default=2,
+                        help="inter-op threads per stage process: with 1, a finished item's "
+                             "send waits behind the stage's next items (TensorFlow runs one "
+                             "ready op inline and queues the rest on the inter-op pool), so "
+                             "GPipe's forwards did not overlap; 2 is TensorFlow's default on "
+                             "2 cores (bench/pipeline_p2p_probe.py found 4 slower)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="pin stage process k to core k (taskset)")
     parser.add_argument("--png", default=None, help="draw the timelines into this PNG")

@@ -768,8 +768,8 @@ def optimizer_slots(optimizer, variables) -> list:
     (e.g. `dense_kernel_momentum`); Keras has no public map from a slot to
     its variable. Why: across processes a pipeline worker updates only its
     stage's variables and their slots (`tfdist.strategies.pipeline`), and
-    every worker takes the others' from their owners after each loop, so it
-    must know which slots are whose. Verified on keras 3.15.1 (Adam, AdamW,
+    every worker takes the others' from their owners before the whole model
+    is read, so it must know which slots are whose. Verified on keras 3.15.1 (Adam, AdamW,
     SGD with momentum, RMSprop, Adagrad). Check: every optimizer variable
     that is not a scalar (the step counter, a learning rate) is matched to
     one of `variables` (the longest matching name prefix); an optimizer whose

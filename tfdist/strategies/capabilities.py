@@ -148,7 +148,7 @@ class PipelineStages(Capability):
     micro-batches in place of the trainer's accumulation loop. Where each
     process holds some stages only (`splits_update`), it also reduces and
     applies the update of its stages' variables only, and shares them with
-    the other processes after each loop (`owner_value`)."""
+    the other processes before anything reads the whole model (`owner_value`)."""
 
     @abc.abstractmethod
     def place_model(self, model) -> None:
@@ -175,7 +175,7 @@ class PipelineStages(Capability):
 
     #: Whether each process updates only its own stages' variables: the
     #: trainer then uses `updated_variables`, `reduce_update`, `global_norm`
-    #: and, after each loop, `owner_value` for every variable it did not update.
+    #: and, to share the stages (`Trainer.share_stages`), `owner_value`.
     splits_update = False
 
     def updated_variables(self, variables) -> list:

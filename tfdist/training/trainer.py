@@ -132,7 +132,7 @@ class Trainer:
         self.pipeline = capability(strategy, PipelineStages)
         # Across processes a pipeline worker updates only its stages' variables
         # (`PipelineStages.splits_update`): it reduces, clips and applies those,
-        # and takes the rest from their owners after each loop.
+        # and takes the rest from their owners when they are read (`share_stages`).
         self.split_update = bool(self.pipeline and self.pipeline.splits_update)
         self.updated_variables = (self.pipeline.updated_variables(model.trainable_variables)
                                   if self.split_update else model.trainable_variables)
