@@ -21,6 +21,21 @@ from tfdist.errors import UsageError, first_line
 from tfdist.strategies.capabilities import ElasticMembership, ServingProcesses
 
 
+def by_dtype(tensors: Sequence, reduce: Callable) -> list:
+    """`reduce` (a list of tensors of one dtype -> as many results) applied
+    to each dtype's tensors of `tensors` in turn, in order of first
+    appearance; the results in `tensors`' order."""
+    tensors = list(tensors)
+    positions_of = {}
+    for position, tensor in enumerate(tensors):
+        positions_of.setdefault(tensor.dtype, []).append(position)
+    reduced = [None] * len(tensors)
+    for positions in positions_of.values():
+        for position, value in zip(positions, reduce([tensors[p] for p in positions])):
+            reduced[position] = value
+    return reduced
+
+
 class Strategy(abc.ABC):
     """Base class of every strategy adapter: the core hooks.
 
@@ -206,16 +221,7 @@ class Strategy(abc.ABC):
         the trainer makes exactly one per update, gradients and metrics together.
         """
         self.reductions_traced += 1
-        tensors = list(tensors)
-        by_dtype = {}
-        for position, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(position)
-        reduced = [None] * len(tensors)
-        for positions in by_dtype.values():
-            summed = self._all_reduce_sum([tensors[p] for p in positions])
-            for position, value in zip(positions, summed):
-                reduced[position] = value
-        return reduced
+        return by_dtype(tensors, self._all_reduce_sum)
 
     def apply_if(self, condition, update: Callable, *args) -> None:
         """`update(*args)` where `condition` (a boolean tensor that is the same

@@ -47,6 +47,7 @@ micro-batch, as under accumulation; metrics are counted on the last stage.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -59,6 +60,7 @@ from tfdist.errors import UsageError, first_line
 from tfdist.pipeline import schedule as schedule_lib
 from tfdist.pipeline import split as split_lib
 from tfdist.strategies.capabilities import PipelineStages
+from tfdist.strategies.base import by_dtype
 from tfdist.strategies.multi_worker import MultiWorkerStrategy
 
 
@@ -564,22 +566,19 @@ class _StageGroup:
         self._strategy = strategy
 
     def all_reduce_sum(self, tensors) -> list:
-        tensors = list(tensors)
-        by_dtype = {}
-        for position, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(position)
-        out = [None] * len(tensors)
-        for k, (dtype, positions) in enumerate(sorted(by_dtype.items(), key=lambda d: d[0].name)):
-            # bfloat16 (--grad_compression=bf16) goes as float32, as boundaries do.
-            wire = tf.float32 if dtype == tf.bfloat16 else dtype
-            flat = tf.concat([tf.reshape(tf.cast(tensors[p], wire), [-1]) for p in positions], 0)
-            summed = tf.raw_ops.CollectiveReduceV2(
-                input=flat, group_size=self._strategy.pipeline_replicas,
-                group_key=self.GROUP_BASE + self._strategy.stage,
-                instance_key=self.INSTANCE_BASE + k, ordering_token=[], merge_op="Add",
-                final_op="Id", communication_hint="auto",
-                timeout_seconds=float(self._strategy.config.collective_timeout_s))
-            sizes = [tensors[p].shape.num_elements() for p in positions]
-            for p, part in zip(positions, tf.split(summed, sizes)):
-                out[p] = tf.cast(tf.reshape(part, tensors[p].shape), dtype)
-        return out
+        instances = itertools.count(self.INSTANCE_BASE)   # one per dtype
+        return by_dtype(tensors, lambda same: self._sum(same, next(instances)))
+
+    def _sum(self, tensors, instance_key: int) -> list:
+        """One collective for `tensors` (one dtype), packed into one vector."""
+        dtype = tensors[0].dtype
+        # bfloat16 (--grad_compression=bf16) goes as float32, as boundaries do.
+        wire = tf.float32 if dtype == tf.bfloat16 else dtype
+        flat = tf.concat([tf.reshape(tf.cast(t, wire), [-1]) for t in tensors], 0)
+        summed = tf.raw_ops.CollectiveReduceV2(
+            input=flat, group_size=self._strategy.pipeline_replicas,
+            group_key=self.GROUP_BASE + self._strategy.stage, instance_key=instance_key,
+            ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
+            timeout_seconds=float(self._strategy.config.collective_timeout_s))
+        parts = tf.split(summed, [t.shape.num_elements() for t in tensors])
+        return [tf.cast(tf.reshape(part, t.shape), dtype) for part, t in zip(parts, tensors)]
