@@ -8,7 +8,7 @@ and ModelConfig fields, e.g. {"strategy": {"mesh": "batch:2,model:2"}}, "data" D
 fields, "optimizer" OptimizerConfig fields; "task" names
 a case of test_tasks.CASES: its model, data, loss and metrics; "nan": true feeds
 test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
-OUT_DIR/weights-<worker>.npz and optimizer-<worker>.npz (its variables) (and, with a task or "nan", summary-<worker>.json; under
+OUT_DIR/weights-<worker>.npz and optimizer-<worker>.npz (its variables), summary-<worker>.json (and, under
 dtensor, predictions-<worker>.npy: the trained model's outputs on PROBE).
 Errors end the process as tfdist-train's do (`tfdist.app.run`): a fault is one
 line, `mw_worker.py: fault: ...`, exit status 1.
@@ -113,9 +113,8 @@ def _main(out_dir, strategy, steps, overrides):
     if strategy == "dtensor":   # the trained model on host data, in every process
         np.save(os.path.join(out_dir, f"predictions-{index}.npy"),
                 result.model.predict(PROBE, verbose=0))
-    if task or nan:
-        with open(os.path.join(out_dir, f"summary-{index}.json"), "w") as f:
-            json.dump(result.summary, f)
+    with open(os.path.join(out_dir, f"summary-{index}.json"), "w") as f:
+        json.dump(result.summary, f)
 
 
 if __name__ == "__main__":

@@ -615,3 +615,23 @@ def test_optimizer_slots_check():
         compat.optimizer_slots(optimizer, model.trainable_variables)
     assert_one_line_change(raised, "not_a_slot")
     assert stray is not None
+
+
+def test_set_storage():
+    # Freed and given back, the static shape kept throughout. The control: a
+    # plain assign of the whole value to the freed variable is refused.
+    variable = keras.Variable(np.ones((3, 4), np.float32))
+    (component,) = tf.distribute.get_strategy().experimental_local_results(variable.value)
+    compat.set_storage(component, tf.zeros([0]))
+    stored = tf.raw_ops.ReadVariableOp(resource=component.handle, dtype=tf.float32)
+    assert tuple(variable.shape) == (3, 4) and tuple(stored.shape) == (0,)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        component.assign(tf.ones([3, 4]))
+    tf.function(lambda: compat.set_storage(component, tf.fill([3, 4], 2.0)))()
+    np.testing.assert_array_equal(variable.numpy(), np.full((3, 4), 2.0, np.float32))
+
+
+def test_set_storage_check():
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.set_storage(object(), tf.zeros([0]))
+    assert_one_line_change(raised, "handle")

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.integration
 # Adam and clipping, and the cnn (BatchNorm) on S=4 stages under GPipe in
 # bf16. Each worker updates only its stage (its gradients summed with the same
 # stage's other replica, clipped by the whole model's norm summed over all
-# workers) and takes the rest from their owners when training ends: each run's 4
-# workers end with bit-identical weights and optimizer slots, equal to the
-# same micro-batches accumulated on one device within tests/test_pipeline.py's
+# workers), holds only its stage's weights and optimizer slots, and the chief
+# gathers the rest from their owners when training ends: the chief's weights
+# and slots equal the same micro-batches accumulated on one device within tests/test_pipeline.py's
 # tolerance, and the BatchNorm statistics every worker ends with are its stage
 # owner's (the owners contribute S x theirs to the sum over all N workers, the
 # others zeros, and the trainer divides by N).
@@ -46,6 +46,20 @@ PROCESS_RUNS = {
     "cnn, 4 stages, gpipe, bf16": {
         "strategy": {"pipeline_stages": 4, "pipeline_schedule": "gpipe"},
         "model": {"name": "cnn", "depth": 1}, "accum_steps": 2, "precision": "mixed_bfloat16"},
+    # Checkpoints across processes: each save gathers the stages onto the
+    # chief, which frees the others' again once it has written (step 2), and
+    # the run ends with the chief whole. The next run restores (every worker
+    # holds the whole model until the restored state is shared, then frees
+    # the other stages), trains on to step 6 — the same weights as 6 steps
+    # in one go on one device (the input positions are restored too) — and
+    # exports the chief's whole model.
+    "2 stages x 2 replicas, checkpoint every 2 steps": {
+        "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
+        "model_dir": "checkpointed"},
+    "the same, resumed at step 4 to step 6, exported": {
+        "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
+        "model_dir": "checkpointed", "train_steps": 6, "export_dir": "exported",
+        "starts_as": "2 stages x 2 replicas, checkpoint every 2 steps"},
 }
 
 
@@ -59,12 +73,18 @@ def process_runs(tmp_path_factory):
         os.makedirs(directory / str(k))
         initials[name] = models.build(model, IMAGE_SPEC).get_weights()
         np.savez(directory / str(k) / "initial.npz", *initials[name])
+        if "starts_as" in overrides:   # not from its own initial weights: the checkpoint's
+            initials[name] = initials[overrides["starts_as"]]
         runs.append({"accum_steps": overrides.get("accum_steps", 4),
                      "steps_per_loop": overrides.get("steps_per_loop", 5),
                      "optimizer": overrides.get("optimizer", {}),
                      "precision": overrides.get("precision", "float32"),
                      "model": dataclasses.asdict(model),
-                     "strategy": {"collective_timeout_s": 60, **overrides["strategy"]}})
+                     "strategy": {"collective_timeout_s": 60, **overrides["strategy"]},
+                     **{key: str(directory / overrides[key])
+                        for key in ("model_dir", "export_dir") if key in overrides},
+                     **{key: overrides[key] for key in ("train_steps", "checkpoint_every")
+                        if key in overrides}})
     result = subprocess.run(
         [os.path.join(BIN, "tfdist-launch"), "--workers=4", "--", sys.executable,
          "tests/mw_worker.py", str(directory), "pipeline", "4", json.dumps(runs)],
@@ -73,29 +93,62 @@ def process_runs(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-4000:]
     found = {}
     for k, name in enumerate(PROCESS_RUNS):
+        with open(directory / str(k) / "summary-0.json") as f:
+            summary = json.load(f)
         found[name] = ([list(np.load(directory / str(k) / f"{kind}-{w}.npz").values())
                         for w in range(4) for kind in ("weights", "optimizer")],
-                       initials[name], runs[k])
+                       initials[name], runs[k], summary)
     return found
 
 
 @pytest.mark.parametrize("name", list(PROCESS_RUNS))
 def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name):
-    saved, initial, run = process_runs[name]
+    saved, initial, run, summary = process_runs[name]
     workers, slots = saved[0::2], saved[1::2]
-    for other, other_slots in zip(workers[1:], slots[1:]):
-        for a, b in zip(workers[0] + slots[0], other + other_slots):
-            np.testing.assert_array_equal(a, b)   # each took every variable from its owner
+    stages = run["strategy"]["pipeline_stages"]
+    # Each worker holds its stage only: the other stages' weights and slots
+    # are freed (empty), its own equal the chief's bit for bit (the workers of
+    # a stage apply the same summed gradients). The chief holds the whole
+    # model, gathered from the owners at the end: the control (the same
+    # check of "freed" on it finds nothing freed). The stages' sets are
+    # disjoint, the same for every replica of a stage, and cover the model.
+    chief = workers[0] + slots[0]
+    assert all(a.size for a in chief)
+    held = []
+    for w in range(1, len(workers)):
+        arrays = workers[w] + slots[w]
+        mine = {k for k, a in enumerate(arrays) if a.size}
+        assert 0 < len([k for k in mine if k < len(workers[w])]) < len(workers[w]), w
+        for k in mine:
+            np.testing.assert_array_equal(arrays[k], chief[k])
+        for k in set(range(len(arrays))) - mine:
+            assert arrays[k].shape == (0,) and chief[k].size, (w, k)
+        held.append(mine)
+    by_stage = {w % stages: mine for w, mine in zip(range(1, len(workers)), held)}
+    for w, mine in zip(range(1, len(workers)), held):
+        assert mine == by_stage[w % stages]
+    everywhere = set.intersection(*held)   # scalars, BatchNorm statistics
+    others = [by_stage[s] - everywhere for s in range(1, stages)]
+    assert all(a.isdisjoint(b) for i, a in enumerate(others) for b in others[i + 1:])
+    if 0 in by_stage:   # stage 0 of replica 1: what the other stages do not hold
+        assert by_stage[0] - everywhere == set(range(len(chief))) - everywhere - set().union(
+            *others)
     # Without XLA, as the pipeline runs (`auto` would compile the reference,
     # and XLA on CPU computes bf16 matmuls in float32).
-    config = mw_config("default", 4, accum_steps=run["accum_steps"],
+    config = mw_config("default", run.get("train_steps", 4), accum_steps=run["accum_steps"],
                        precision=run["precision"], jit_compile="off")
     config = config.replace(model=config.model.replace(**run["model"]),
                             optimizer=config.optimizer.replace(**run["optimizer"]))
     single = train_from(config, initial)
+    # Evaluation runs through the stages (the last counts): the chief's test
+    # loss and accuracy are one device's on the same weights (within the
+    # weights' tolerance; bf16 logits round to 3 significant digits).
+    np.testing.assert_allclose(summary["test_loss"], single.summary["test_loss"], rtol=2e-3)
+    assert abs(summary["accuracy"] - single.summary["accuracy"]) <= 1 / 96
     assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
     trainable = {id(v) for v in single.model.trainable_weights}
     flags = [id(v) in trainable for v in single.model.weights]
+    assert not any(flags[k] for k in everywhere if k < len(flags))   # no weight held by all
     expected = single.model.get_weights()
     assert_weights_close([w for w, t in zip(workers[0], flags) if t],
                          [w for w, t in zip(expected, flags) if t], atol=1e-5)
@@ -112,3 +165,8 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
     assert len(expected_slots) > 2 or run["optimizer"].get("name") != "adam"
     for got, want in zip(slots[0], expected_slots):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    if "export_dir" in run:   # the chief's whole model
+        import keras
+        exported = keras.saving.load_model(os.path.join(run["export_dir"], "model.keras"))
+        for got, want in zip(exported.get_weights(), workers[0]):
+            np.testing.assert_array_equal(got, want)

@@ -263,7 +263,10 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))
-        optimizer.build(model.trainable_variables)
+        if pipeline:   # a process holding some stages makes the others' slots freed
+            pipeline.build_optimizer(optimizer, model.trainable_variables)
+        else:
+            optimizer.build(model.trainable_variables)
     strategy.on_optimizer_built(optimizer, model.trainable_variables)
     if sharded:
         sharded.prepare_model(model)

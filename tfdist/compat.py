@@ -787,3 +787,35 @@ def optimizer_slots(optimizer, variables) -> list:
         owner = max(matches, key=lambda k: len(prefixes[k]))
         slots[owner].append(slot)
     return slots
+
+
+def set_storage(variable, value) -> None:
+    """Make the storage of resource variable `variable` (a `tf.Variable`; for a
+    Keras or distributed variable, each of its components) hold `value`, of
+    any shape: an empty tensor frees it, a whole one gives it back. Works in
+    a tf.function too.
+
+    What: a resource variable's static shape lives in its Python object and
+    handle; the tensor its resource holds may have another shape when it is
+    written with `AssignVariableOp(validate_shape=False)` (a public raw op;
+    `tf.Variable.assign` checks the stored tensor's shape at run time, so it
+    cannot do this). Reading such a variable gives the stored tensor, which
+    any op that needs the static shape refuses. Why: across processes a
+    pipeline worker holds only its stage's weights and optimizer slots; the
+    model is built whole (a split needs the built graph) and checkpoints
+    need every variable object, so the others' objects stay but their
+    storage is freed, and refilled when the whole model is wanted
+    (`tfdist.strategies.pipeline`). Verified on tensorflow 2.21.0: the
+    freed memory is reused by later allocations (TensorFlow's CPU allocator
+    keeps it in the process). Check: in eager mode, the stored shape after
+    the write is `value`'s, else `UpstreamChanged`.
+    """
+    import tensorflow as tf
+    handle = _require(variable, "handle", "tf.Variable.handle (a resource variable)")
+    tf.raw_ops.AssignVariableOp(resource=handle, value=tf.cast(value, variable.dtype),
+                                validate_shape=False)
+    if tf.executing_eagerly():
+        stored = tf.raw_ops.ReadVariableOp(resource=handle, dtype=variable.dtype)
+        if stored.shape != tf.convert_to_tensor(value).shape:
+            raise _changed("AssignVariableOp(validate_shape=False) on a resource variable",
+                           f"stored shape {stored.shape}, not the value's")

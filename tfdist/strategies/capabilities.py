@@ -147,8 +147,9 @@ class PipelineStages(Capability):
     land beside their variables), and computes a replica's gradients over its
     micro-batches in place of the trainer's accumulation loop. Where each
     process holds some stages only (`splits_update`), it also reduces and
-    applies the update of its stages' variables only, and shares them with
-    the other processes before anything reads the whole model (`owner_value`)."""
+    applies the update of its stages' variables only, holds only those (and
+    their slots), evaluates through the stages (`forward`) and gathers the
+    whole model on the chief for checkpoints and export (`gather_stages`)."""
 
     @abc.abstractmethod
     def place_model(self, model) -> None:
@@ -174,8 +175,8 @@ class PipelineStages(Capability):
         return value
 
     #: Whether each process updates only its own stages' variables: the
-    #: trainer then uses `updated_variables`, `reduce_update`, `global_norm`
-    #: and, to share the stages (`Trainer.share_stages`), `owner_value`.
+    #: trainer then uses `updated_variables`, `reduce_update`, `global_norm`,
+    #: and the members below to hold, evaluate and gather the stages.
     splits_update = False
 
     def updated_variables(self, variables) -> list:
@@ -193,8 +194,31 @@ class PipelineStages(Capability):
         (reduced, of `updated_variables`) is this process's part."""
         raise NotImplementedError
 
-    def owner_value(self, variable, value):
-        """`value` where this process is `variable`'s owner (it updates it; one
-        process per variable), else zeros: summed over the step's copies, every
-        process gets the owner's value."""
+    def build_optimizer(self, optimizer, variables) -> None:
+        """`optimizer.build(variables)`. Where `splits_update`, the slots of
+        the variables this process does not update are freed as they are made."""
+        optimizer.build(variables)
+
+    # Where `splits_update`, a process holds only its stages; `pairs` are
+    # (variable, the trainable variable whose stage it belongs to) for every
+    # trainable variable and optimizer slot (`Trainer.share_stages`).
+    def release_others(self, pairs) -> None:
+        """Free this process's storage of the other stages' `pairs`."""
+
+    def materialize(self, pairs) -> None:
+        """Give every freed variable of `pairs` its storage back (zeros), before
+        something writes them all (a restore, a broadcast)."""
+
+    def holds_whole_model(self) -> bool:
+        """Whether every variable's storage is held here."""
+        return True
+
+    def gather_stages(self, pairs) -> None:
+        """Give the chief every variable of `pairs` from its stage's owner."""
+        raise NotImplementedError
+
+    def forward(self, x, y):
+        """This process's stages of the evaluation forward pass of a batch:
+        (the model's output, []) where the last stage runs here, else (None,
+        the ops that must run: sends to the next stage). `y` gives the rows."""
         raise NotImplementedError

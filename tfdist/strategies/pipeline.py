@@ -27,14 +27,18 @@ Where it runs:
   with the same stage of the other R - 1 pipeline replicas (a collective
   among those R workers; none for R = 1), the loss and metric counters and
   the clipping norm over all N, and applies the optimizer to its stage's
-  variables. Before anything reads the whole model (evaluation, a
-  checkpoint, the end of training: `Trainer.share_stages`) every worker
-  takes every variable and optimizer slot from its stage's owner (replica
-  0), and after each loop the BatchNorm statistics from their stages'
-  owners, so checkpoints, evaluation, export and fault handling are
-  multi_worker's. Each worker still holds every parameter
-  and slot (the model is built whole before it is split): a stage's
-  processes compute and update 1/S of the model, but memory is not 1/S.
+  variables. It also holds only its stage: the model is built whole (the
+  split reads the built graph), then the storage of the other stages'
+  weights is freed once every worker has the chief's, and their optimizer
+  slots are freed as they are made (`compat.set_storage`; the variable
+  objects stay, so checkpoints keep their layout). Evaluation runs through
+  the stages like training (`forward`). A checkpoint or the end of training
+  gathers every stage onto the chief (`gather_stages`, from each stage's
+  replica 0, as FSDP's full state dict gathers on rank 0): the chief holds
+  the whole model while it saves and after training (for export), the
+  other workers never do. A restore writes every variable: each worker
+  holds the whole model until the restored state is shared, then frees the
+  others' stages again.
 
 The update equals gradient accumulation of the same micro-batches on one
 device: each micro-batch's loss is the trainer's (`MicroBatchLoss`), its
@@ -82,6 +86,9 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         self._stage_variables = None
         self._microbatches = None
         self._timeline = None
+        self._stage_of = {}          # id(trainable variable) -> its stage
+        self._released = set()       # ids of variables whose storage is freed here
+        self._gather = None          # the traced `gather_stages`
         spec = cluster.resolve(config.worker_hosts, config.task_index)
         self.processes = spec is not None and spec.num_workers > 1
         if not self.processes:
@@ -182,6 +189,8 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         self.stages = split_lib.split(model, self.num_stages, names=names)
         self._stage_models = split_lib.stage_models(model, self.stages)
         self._stage_variables = [m.trainable_variables for m in self._stage_models]
+        self._stage_of = {id(v): s for s, variables in enumerate(self._stage_variables)
+                          for v in variables}
         self._held = set()
         for s in self.local_stages:
             for variable in self._stage_models[s].variables:
@@ -259,10 +268,127 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             squares = tf.zeros_like(squares)
         return tf.sqrt(self.all_reduce_sum([squares])[0])
 
-    def owner_value(self, variable, value):
-        if id(variable) in self._held and self.replica == 0:
-            return value
-        return tf.zeros_like(value)
+    # -- holding one stage, across processes ------------------------------------
+    def _components(self, variable) -> tuple:
+        """The tf.Variables behind Keras variable `variable` (one per local device)."""
+        return self._strategy.experimental_local_results(variable.value)
+
+    def _set_storage(self, variable, value) -> None:
+        for component in self._components(variable):
+            compat.set_storage(component, value)
+
+    def build_optimizer(self, optimizer, variables) -> None:
+        """Across processes, each optimizer slot of another stage's variable is
+        freed as soon as Keras makes it (Keras makes every slot through the
+        public `add_variable_from_reference`), so the slots of the whole
+        model are never held at once."""
+        if not self.processes:
+            optimizer.build(variables)
+            return
+        make = optimizer.add_variable_from_reference
+
+        def add_variable_from_reference(reference, *args, **kwargs):
+            slot = make(reference, *args, **kwargs)
+            if id(reference) not in self._held:
+                self._release(slot)
+            return slot
+
+        optimizer.add_variable_from_reference = add_variable_from_reference
+        try:
+            optimizer.build(variables)
+        finally:
+            del optimizer.add_variable_from_reference   # the class's again
+        for variable, slots in zip(variables, compat.optimizer_slots(optimizer, variables)):
+            missed = [slot.path for slot in slots
+                      if id(variable) not in self._held and id(slot) not in self._released]
+            if missed:
+                raise RuntimeError(
+                    f"optimizer {type(optimizer).__name__} made slot(s) {missed} without "
+                    "add_variable_from_reference: the pipeline cannot free another stage's "
+                    "slots (verified on keras 3.15.1)")
+
+    def _release(self, variable) -> None:
+        if id(variable) not in self._released:
+            self._set_storage(variable, tf.zeros([0], variable.dtype))
+            self._released.add(id(variable))
+
+    def release_others(self, pairs) -> None:
+        if not self.processes:
+            return
+        for variable, owner in pairs:
+            if id(owner) not in self._held:
+                self._release(variable)
+
+    def materialize(self, pairs) -> None:
+        for variable, _ in pairs:
+            if id(variable) in self._released:
+                self._set_storage(variable, tf.zeros(variable.shape, variable.dtype))
+                self._released.discard(id(variable))
+
+    def holds_whole_model(self) -> bool:
+        return not self._released
+
+    def gather_stages(self, pairs) -> None:
+        """Each stage's replica-0 worker (worker s, for stage s) sends every
+        variable and slot of its stage to the chief (worker 0, stage 0), one
+        point-to-point transfer each, in a group of those two workers; the
+        chief's storage of them is refilled. The other workers keep theirs."""
+        if not self.processes or self.num_stages == 1:
+            return
+        pairs = list(pairs)
+        if self._gather is None:
+            self._gather = tf.function(lambda: self._gather_fn(pairs), autograph=False)
+        self._gather()
+        if self._worker_index == 0:
+            self._released.clear()
+
+    def _gather_fn(self, pairs):
+        timeout = float(self.config.collective_timeout_s)
+        done = []
+        for k, (variable, owner) in enumerate(pairs):
+            stage = self._stage_of[id(owner)]
+            if stage == 0 or self._worker_index not in (0, stage):
+                continue
+            wire = tf.float32 if variable.dtype == "bfloat16" else tf.as_dtype(variable.dtype)
+            keys = dict(group_size=2, group_key=_Transfer.GATHER_GROUP_BASE + stage,
+                        instance_key=_Transfer.GATHER_INSTANCE_BASE + k,
+                        communication_hint="auto", timeout_seconds=timeout)
+            if self._worker_index == stage:
+                done.append(tf.raw_ops.CollectiveBcastSendV2(
+                    input=tf.cast(tf.convert_to_tensor(variable), wire), **keys))
+            else:
+                value = tf.raw_ops.CollectiveBcastRecvV2(
+                    shape=tf.constant([int(d) for d in variable.shape], tf.int32), T=wire, **keys)
+                for component in self._components(variable):
+                    compat.set_storage(component, value)
+        with tf.control_dependencies(done):   # (a send's output is used nowhere else)
+            return tf.constant(0)
+
+    def forward(self, x, y):
+        """This worker's stage of the evaluation forward pass of one batch:
+        (the model's output, []) on the last stage, else (None, [the send to
+        the next stage]). Stage 0 reads `x`, the others receive their
+        neighbour's output; `y` gives the batch's rows."""
+        stage, last = self.stage, self.num_stages - 1
+        transfer = _Transfer(self, self.replica, tf.shape(tf.nest.flatten(y)[0])[0],
+                             instance_base=_Transfer.EVAL_INSTANCE_BASE)
+        with tf.name_scope(f"stage{stage}_E0"):
+            source = x if stage == 0 else transfer.receive_activation(stage, 0)
+            out = self._stage_models[stage](source, training=False)
+            if stage == last:
+                return out, []
+            return None, [transfer.send_activation(stage, 0, out)]
+
+    def distribute_dataset(self, dataset_fn):
+        """Across processes (evaluation), the S workers of a pipeline replica
+        read the same batches, as in `input_iterator`."""
+        if not self.processes:
+            return super().distribute_dataset(dataset_fn)
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.pipeline_replicas, input_pipeline_id=self.replica,
+            num_replicas_in_sync=self.pipeline_replicas)
+        with tf.device("/cpu:0"):
+            return dataset_fn(context)
 
     def state_share(self, variable, value):
         """Across processes, the R workers of `variable`'s stage hold its
@@ -356,7 +482,8 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         last_stage = stages - 1
         here = set(self.local_stages)
         plan = schedule_lib.schedule(m, self.config.pipeline_schedule, stages)
-        transfer = _Transfer(self, replica, parts) if self.processes else None
+        rows = tf.shape(tf.nest.flatten(tf.nest.map_structure(lambda t: t[0], parts[1]))[0])[0]
+        transfer = _Transfer(self, replica, rows) if self.processes else None
         outputs, inputs, tapes, regularization, input_grads = {}, {}, {}, {}, {}
         grads, separate = {}, {}
         counters = None
@@ -501,13 +628,18 @@ class _Transfer:
 
     GROUP_BASE = 1 << 20      # far above MultiWorkerMirroredStrategy's own keys
     INSTANCE_BASE = 1 << 20
+    EVAL_INSTANCE_BASE = INSTANCE_BASE + (1 << 15)   # `PipelineStrategy.forward`'s
+    # `gather_stages`: a group of worker 0 and worker s (stage s's owner)
+    GATHER_GROUP_BASE = GROUP_BASE + (1 << 17)
+    GATHER_INSTANCE_BASE = INSTANCE_BASE + (1 << 17)
 
-    def __init__(self, strategy: PipelineStrategy, replica: int, parts):
+    def __init__(self, strategy: PipelineStrategy, replica: int, rows,
+                 instance_base: int = INSTANCE_BASE):
         self._strategy = strategy
         self._replica = replica
         self._timeout = float(strategy.config.collective_timeout_s)
-        y_0 = tf.nest.map_structure(lambda t: t[0], parts[1])
-        self._rows = tf.shape(tf.nest.flatten(y_0)[0])[0]
+        self._rows = rows   # the batch's (or micro-batch's) rows
+        self._instance_base = instance_base
 
     def _group(self, first: int) -> int:
         """The group of stages `first` and `first` + 1 of this replica."""
@@ -526,7 +658,7 @@ class _Transfer:
     def _send(self, value, first: int, instance: int):
         return tf.raw_ops.CollectiveBcastSendV2(
             input=tf.cast(value, self._wire(first)), group_size=2, group_key=self._group(first),
-            instance_key=self.INSTANCE_BASE + instance, communication_hint="auto",
+            instance_key=self._instance_base + instance, communication_hint="auto",
             timeout_seconds=self._timeout)
 
     def _receive(self, first: int, instance: int):
@@ -538,7 +670,7 @@ class _Transfer:
             shape = tf.concat([[self._rows], tf.constant(boundary.shape[1:], tf.int32)], 0)
             received = tf.raw_ops.CollectiveBcastRecvV2(
                 group_size=2, group_key=self._group(first),
-                instance_key=self.INSTANCE_BASE + instance, shape=shape, T=self._wire(first),
+                instance_key=self._instance_base + instance, shape=shape, T=self._wire(first),
                 communication_hint="auto", timeout_seconds=self._timeout)
         return tf.cast(received, self._dtype(first))
 

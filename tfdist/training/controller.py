@@ -61,6 +61,7 @@ class Controller:
         self.data = TrainingData(config=config, strategy=strategy, inputs=inputs,
                                  checkpointer=checkpointer)
         self.nonfinite = nonfinite.Policy(tc, strategy, checkpointer,
+                                          before_restore=trainer.hold_whole_model,
                                           restore_state=self._broadcast_restored)
         self.elastic = capability(strategy, ElasticMembership)
         self.tensorboard = TensorBoard(tc.model_dir, enabled=strategy.is_chief)
@@ -82,15 +83,18 @@ class Controller:
         the checkpoint it restored), even where workers cannot see its files.
         An elastic engine runs the loop again from its last commit after
         workers left or joined."""
+        restored = None
         if self.checkpointer:
-            self.checkpointer.restore_latest()
+            if self.checkpointer.candidates():   # a restore writes every variable
+                self.trainer.hold_whole_model()
+            restored = self.checkpointer.restore_latest()
         state = self.trainer.state_variables
         try:
             with StopSignals(self.train_config.preemption_grace_s,
                              describe=self.strategy.describe_process) as signals:
                 if self.elastic:
                     return self.elastic.train_elastic(lambda: self._train_to_end(signals), state)
-                self.strategy.broadcast_variables(state)
+                self.trainer.broadcast_state(restored is not None)
                 return self._train_to_end(signals)
         finally:
             self.profiler.stop()
@@ -123,7 +127,7 @@ class Controller:
             self._time(run, examples, seconds)
             step = stop
             self._after_loop(run, step, totals, examples / seconds)
-        self.trainer.share_stages()   # the whole trained model in every process
+        self.trainer.share_stages()   # the whole trained model on the chief
         return self._final_metrics(run, step)
 
     def _next_stop(self, step: int) -> int:
@@ -162,6 +166,8 @@ class Controller:
         if self.checkpointer and (_due(tc.checkpoint_every, step) or step == self.total_steps):
             self.trainer.share_stages()
             self.checkpointer.save(step)
+            if step < self.total_steps:
+                self.trainer.release_stages()
         if self.strategy.step_copies > 1:   # an explicit all-reduce
             logged["bytes_reduced_per_update"] = self.trainer.bytes_per_update
         scheduled = capability(self.strategy, ScheduledSteps)
@@ -200,7 +206,6 @@ class Controller:
         """Loss and metrics over the whole test split (exact, padding excluded)."""
         if self.data.eval_data is None:
             return {}
-        self.trainer.share_stages()
         counters = self.trainer.evaluate_counters(iter(self.data.eval_data),
                                                   self.data.eval_steps)
         return {f"test_{name}": value for name, value in self.trainer.results(counters).items()}
@@ -228,7 +233,7 @@ class Controller:
 
     def _broadcast_restored(self) -> int:
         """After a rollback's restore on the chief: its state everywhere; the step."""
-        self.strategy.broadcast_variables(self.trainer.state_variables)
+        self.trainer.broadcast_state(True)
         return self.trainer.current_step()
 
     def _regrouped(self) -> None:

@@ -50,8 +50,10 @@ class Policy:
     """The host's reaction to a loop's non-finite steps (see module doc)."""
 
     def __init__(self, train_config, strategy, checkpointer=None, *,
-                 restore_state: Callable[[], int]):
+                 restore_state: Callable[[], int],
+                 before_restore: Callable[[], None] = lambda: None):
         self.config, self.strategy, self.checkpointer = train_config, strategy, checkpointer
+        self.before_restore = before_restore   # e.g. storage for every variable again
         self.restore_state = restore_state   # restores the latest checkpoint; returns its step
         self.skipped, self.rollbacks = 0, 0
 
@@ -92,7 +94,10 @@ class Policy:
         if self.rollbacks >= tc.max_rollbacks:
             raise self._fail(first, f" after {self.rollbacks} rollback(s) (--max_rollbacks="
                                     f"{tc.max_rollbacks}); {self._where()}")
-        restored = self.checkpointer.restore_latest() if self.checkpointer else None
+        restored = None
+        if self.checkpointer and self.checkpointer.candidates():
+            self.before_restore()
+            restored = self.checkpointer.restore_latest()
         if restored is None:
             raise self._fail(first, " and there is no checkpoint to roll back to yet "
                                     "(--on_nonfinite=rollback; lower --checkpoint_every)")

@@ -136,7 +136,7 @@ class Trainer:
         self.split_update = bool(self.pipeline and self.pipeline.splits_update)
         self.updated_variables = (self.pipeline.updated_variables(model.trainable_variables)
                                   if self.split_update else model.trainable_variables)
-        self._stages_stale = False   # trained since the last `share_stages`
+        self._gathered = False   # the chief holds every stage (`share_stages`)
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -172,8 +172,6 @@ class Trainer:
         else:
             self._train_loop = self.strategy.host_function(self._train_loop_fn)
         self._eval_loop = self.strategy.host_function(self._eval_loop_fn)
-        if self.split_update:
-            self._share_stages = self.strategy.host_function(self._share_stages_fn)
 
     # -- the host's calls ------------------------------------------------------
     def train_loop(self, iterator, num_steps: int, measure_agreement: bool) -> LoopTotals:
@@ -182,20 +180,51 @@ class Trainer:
         measures the per-replica gradient agreement at the last step."""
         with _traced_without_autograph():
             result = self._train_loop(iterator, tf.constant(num_steps), measure_agreement)
-        self._stages_stale = self.split_update
+        self._gathered = False
         return result if isinstance(result, LoopTotals) else LoopTotals.from_tensors(result)
 
     def share_stages(self) -> None:
-        """Where each process updates only its stages (`split_update`): every
-        process takes each variable and optimizer slot from its owner, so all
-        hold the whole trained model. Called by every process before anything
-        reads the whole model (evaluation, checkpoints, the end of training);
-        a no-op when nothing was trained since the last call. Between those,
-        a process's other stages are stale, by design: the exchange moves the
-        whole model and its slots, so it is made once, not after every loop."""
-        if self._stages_stale:
-            self._share_stages()
-            self._stages_stale = False
+        """Where each process updates and holds only its stages (`split_update`):
+        the chief takes every variable and optimizer slot from its stage's
+        owner, so it holds the whole trained model; the other processes keep
+        their stages only. Called by every process before a checkpoint and at
+        the end of training; a no-op when the chief has it already. Made only
+        then, not after every loop: it moves the whole model and its slots."""
+        if self.split_update and not self._gathered:
+            self.pipeline.gather_stages(self._owned_state())
+            self._gathered = True
+
+    def release_stages(self) -> None:
+        """After `share_stages` (a checkpoint written): the chief frees the other
+        stages again."""
+        if self.split_update:
+            self.pipeline.release_others(self._owned_state())
+            self._gathered = False
+
+    def hold_whole_model(self) -> None:
+        """Before a restore (which writes every variable): storage for all of
+        them again, in this process (no collective)."""
+        if self.split_update:
+            self.pipeline.materialize(self._owned_state())
+            self._gathered = False
+
+    def broadcast_state(self, restored: bool) -> None:
+        """Every replica starts from the chief's state (`restored`: whether this
+        process restored a checkpoint). Where `split_update`, each process then
+        frees the other stages; before that, a run that restored holds the
+        whole model everywhere, while a fresh one leaves the optimizer slots
+        out of the broadcast (never trained: the same initial values in every
+        process, and another stage's are already freed)."""
+        state = self.state_variables
+        if self.split_update:
+            owned = self._owned_state()
+            if self.strategy.any_worker(restored):
+                self.pipeline.materialize(owned)
+            else:
+                slots = {id(v) for v, owner in owned if v is not owner}
+                state = [v for v in state if id(v) not in slots]
+        self.strategy.broadcast_variables(state)
+        self.release_stages()
 
     def evaluate_counters(self, iterator, num_steps: int):
         """Summed loss and metric counters over `num_steps` evaluation batches."""
@@ -389,14 +418,6 @@ class Trainer:
         mine = tf.one_hot(self.strategy.replica_id(), self.strategy.num_replicas) * cosine
         return self.strategy.all_reduce_sum([mine])[0]
 
-    def _share_stages_fn(self):
-        owned = self._owned_state()
-        values = self.strategy.run(lambda: self.strategy.all_reduce_sum(
-            [self.pipeline.owner_value(owner, tf.identity(v.value)) for v, owner in owned]))
-        for (variable, _), value in zip(owned, values):
-            variable.assign(value)
-        return tf.constant(0)
-
     def _owned_state(self) -> list:
         """(variable, the trainable variable whose owner holds it) for every
         trainable variable and optimizer slot, where `split_update`."""
@@ -429,8 +450,16 @@ class Trainer:
 
     def _replica_eval_step(self, batch):
         x, y, weight, real = batch
-        with self._compute_scope():
-            y_pred = self.model(x, training=False)
+        if self.split_update:   # through the stages; counted on the last
+            with self._compute_scope():
+                y_pred, sends = self.pipeline.forward(x, y)
+            if y_pred is None:
+                with tf.control_dependencies(sends):
+                    counters = tf.zeros([self.counters_size])
+                return self.strategy.all_reduce_sum([counters])[0]
+        else:
+            with self._compute_scope():
+                y_pred = self.model(x, training=False)
         numerator, divisor, _ = self.task.loss_terms(y, y_pred, weight, real)
         counters = tf.concat([tf.stack([numerator, divisor]),
                               self.task.metric_deltas(y, y_pred, weight)], axis=0)
