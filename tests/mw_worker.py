@@ -5,7 +5,8 @@ Run by tests under tfdist-launch (TF_CONFIG set per worker):
 Loads OUT_DIR/initial.npz, trains (TrainConfig fields overridden by the JSON,
 e.g. {"accum_steps": 4}; its "strategy" and "model" entries override StrategyConfig
 and ModelConfig fields, e.g. {"strategy": {"mesh": "batch:2,model:2"}}, "data" DataConfig
-fields, "optimizer" OptimizerConfig fields; "task" names
+fields, "optimizer" OptimizerConfig fields; "skewed": true starts worker k from
+the initial weights + 0.05k (only the chief's broadcast makes them agree); "task" names
 a case of test_tasks.CASES: its model, data, loss and metrics; "nan": true feeds
 test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
 OUT_DIR/weights-<worker>.npz and optimizer-<worker>.npz (its variables), summary-<worker>.json (and, under
@@ -91,6 +92,9 @@ def _main(out_dir, strategy, steps, overrides):
     optimizer_fields = overrides.pop("optimizer", {})
     task = overrides.pop("task", None)
     nan = overrides.pop("nan", False)
+    if overrides.pop("skewed", False):   # every worker but the chief starts elsewhere
+        worker = json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"]
+        initial = [a + 0.05 * worker for a in initial]
     config = mw_config(strategy, int(steps), **overrides)
     config = config.replace(strategy=dataclasses.replace(config.strategy, **strategy_fields),
                             model=dataclasses.replace(config.model, **model_fields),

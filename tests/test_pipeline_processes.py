@@ -33,8 +33,10 @@ pytestmark = pytest.mark.integration
 PROCESS_RUNS = {
     # The clip bites: a worker clipping by its own stage's norm instead ended
     # 1e-2 away from one device (tried), far outside the tolerance.
+    # Each worker but the chief starts from other weights ("skewed"): only
+    # the chief's, sent to each worker for its stage, give one device's result.
     "2 stages x 2 replicas, 1f1b, adam, clip": {
-        "strategy": {"pipeline_stages": 2},
+        "strategy": {"pipeline_stages": 2}, "skewed": True,
         "optimizer": {"name": "adam", "learning_rate": 0.01, "clip_grad_norm": 0.1},
         # two loops: the stages are shared only once, at the end
         "steps_per_loop": 2},
@@ -83,8 +85,8 @@ def process_runs(tmp_path_factory):
                      "strategy": {"collective_timeout_s": 60, **overrides["strategy"]},
                      **{key: str(directory / overrides[key])
                         for key in ("model_dir", "export_dir") if key in overrides},
-                     **{key: overrides[key] for key in ("train_steps", "checkpoint_every")
-                        if key in overrides}})
+                     **{key: overrides[key] for key in ("train_steps", "checkpoint_every",
+                                                        "skewed") if key in overrides}})
     result = subprocess.run(
         [os.path.join(BIN, "tfdist-launch"), "--workers=4", "--", sys.executable,
          "tests/mw_worker.py", str(directory), "pipeline", "4", json.dumps(runs)],

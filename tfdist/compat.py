@@ -767,9 +767,9 @@ def optimizer_slots(optimizer, variables) -> list:
     its reference variable's path with "/" replaced by "_", then "_<slot>"
     (e.g. `dense_kernel_momentum`); Keras has no public map from a slot to
     its variable. Why: across processes a pipeline worker updates only its
-    stage's variables and their slots (`tfdist.strategies.pipeline`), and
-    every worker takes the others' from their owners before the whole model
-    is read, so it must know which slots are whose. Verified on keras 3.15.1 (Adam, AdamW,
+    stage's variables and their slots, holds only those, and the chief
+    gathers the others' from their owners for a checkpoint
+    (`tfdist.strategies.pipeline`), so it must know which slots are whose. Verified on keras 3.15.1 (Adam, AdamW,
     SGD with momentum, RMSprop, Adagrad). Check: every optimizer variable
     that is not a scalar (the step counter, a learning rate) is matched to
     one of `variables` (the longest matching name prefix); an optimizer whose

@@ -217,6 +217,10 @@ class PipelineStages(Capability):
         """Give the chief every variable of `pairs` from its stage's owner."""
         raise NotImplementedError
 
+    def scatter_stages(self, pairs) -> None:
+        """Give every process the chief's values of its stages' `pairs`."""
+        raise NotImplementedError
+
     def forward(self, x, y):
         """This process's stages of the evaluation forward pass of a batch:
         (the model's output, []) where the last stage runs here, else (None,

@@ -342,6 +342,46 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         if self._worker_index == 0:
             self._released.clear()
 
+    def scatter_stages(self, pairs) -> None:
+        """The reverse of `gather_stages`: the chief sends each of `pairs` to
+        every other worker of its stage (one point-to-point transfer each),
+        which stores it. Unlike a broadcast (a sum over every worker of a
+        whole-model tensor, with zeros from all but the chief) no worker ever
+        holds more than its stage and one transfer."""
+        if not self.processes:
+            return
+        pairs = list(pairs)
+        key = tuple(id(v) for v, _ in pairs)
+        if getattr(self, "_scatter_key", None) != key:
+            self._scatter_key = key
+            self._scatter = tf.function(lambda: self._scatter_fn(pairs), autograph=False)
+        self._scatter()
+
+    def _scatter_fn(self, pairs):
+        timeout = float(self.config.collective_timeout_s)
+        done = []
+        me = self._worker_index
+        for k, (variable, owner) in enumerate(pairs):
+            stage = self._stage_of[id(owner)]
+            wire = tf.float32 if variable.dtype == "bfloat16" else tf.as_dtype(variable.dtype)
+            for worker in range(stage, self._num_workers, self.num_stages):
+                if worker == 0 or me not in (0, worker):
+                    continue
+                keys = dict(group_size=2, group_key=_Transfer.SCATTER_GROUP_BASE + worker,
+                            instance_key=_Transfer.GATHER_INSTANCE_BASE + k,
+                            communication_hint="auto", timeout_seconds=timeout)
+                if me == 0:
+                    done.append(tf.raw_ops.CollectiveBcastSendV2(
+                        input=tf.cast(tf.convert_to_tensor(variable), wire), **keys))
+                else:
+                    value = tf.raw_ops.CollectiveBcastRecvV2(
+                        shape=tf.constant([int(d) for d in variable.shape], tf.int32), T=wire,
+                        **keys)
+                    for component in self._components(variable):
+                        compat.set_storage(component, value)
+        with tf.control_dependencies(done):
+            return tf.constant(0)
+
     def _gather_fn(self, pairs):
         timeout = float(self.config.collective_timeout_s)
         done = []
@@ -632,6 +672,8 @@ class _Transfer:
     # `gather_stages`: a group of worker 0 and worker s (stage s's owner)
     GATHER_GROUP_BASE = GROUP_BASE + (1 << 17)
     GATHER_INSTANCE_BASE = INSTANCE_BASE + (1 << 17)
+    # `scatter_stages`: a group of worker 0 and worker w
+    SCATTER_GROUP_BASE = GROUP_BASE + (1 << 18)
 
     def __init__(self, strategy: PipelineStrategy, replica: int, rows,
                  instance_base: int = INSTANCE_BASE):

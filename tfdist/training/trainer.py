@@ -132,7 +132,7 @@ class Trainer:
         self.pipeline = capability(strategy, PipelineStages)
         # Across processes a pipeline worker updates only its stages' variables
         # (`PipelineStages.splits_update`): it reduces, clips and applies those,
-        # and takes the rest from their owners when they are read (`share_stages`).
+        # and holds only those; the chief gathers the rest for a checkpoint (`share_stages`).
         self.split_update = bool(self.pipeline and self.pipeline.splits_update)
         self.updated_variables = (self.pipeline.updated_variables(model.trainable_variables)
                                   if self.split_update else model.trainable_variables)
@@ -210,20 +210,24 @@ class Trainer:
 
     def broadcast_state(self, restored: bool) -> None:
         """Every replica starts from the chief's state (`restored`: whether this
-        process restored a checkpoint). Where `split_update`, each process then
-        frees the other stages; before that, a run that restored holds the
-        whole model everywhere, while a fresh one leaves the optimizer slots
-        out of the broadcast (never trained: the same initial values in every
-        process, and another stage's are already freed)."""
-        state = self.state_variables
-        if self.split_update:
-            owned = self._owned_state()
-            if self.strategy.any_worker(restored):
-                self.pipeline.materialize(owned)
-            else:
-                slots = {id(v) for v, owner in owned if v is not owner}
-                state = [v for v in state if id(v) not in slots]
-        self.strategy.broadcast_variables(state)
+        process restored a checkpoint). Where `split_update`, each process
+        takes only its stages' weights from the chief, point to point (and
+        their optimizer slots after a restore; a fresh run's are the same
+        initial values everywhere), then frees the other stages; the rest
+        (BatchNorm statistics, counters, the step) is broadcast as usual. A
+        broadcast of the whole model would hold several whole-model tensors
+        in every process at once (a 130M-parameter mlp's stage processes
+        peaked at 1.5x a whole-model process's memory)."""
+        if not self.split_update:
+            self.strategy.broadcast_variables(self.state_variables)
+            return
+        owned = self._owned_state()
+        if not self.strategy.any_worker(restored):
+            owned = [(v, owner) for v, owner in owned if v is owner]
+        self.pipeline.scatter_stages(owned)
+        staged = {id(v) for v, _ in self._owned_state()}
+        self.strategy.broadcast_variables([v for v in self.state_variables
+                                           if id(v) not in staged])
         self.release_stages()
 
     def evaluate_counters(self, iterator, num_steps: int):
