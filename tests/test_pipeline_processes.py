@@ -14,6 +14,7 @@ import pytest
 from tfdist import models   # (tests/common.py imports tfdist before TensorFlow too)
 
 from common import IMAGE_SPEC, assert_weights_close, mw_config, train_from
+from test_nonfinite import nan_dataset_fn
 from conftest import BIN, REPO
 
 pytestmark = pytest.mark.integration
@@ -62,6 +63,14 @@ PROCESS_RUNS = {
         "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
         "model_dir": "checkpointed", "train_steps": 6, "export_dir": "exported",
         "starts_as": "2 stages x 2 replicas, checkpoint every 2 steps"},
+    # --on_nonfinite=rollback: step 7's loss is NaN (tests/test_nonfinite.py's
+    # data); every worker restores the step-4 checkpoint (each holds the
+    # whole model while it restores), takes its stage from the chief, frees
+    # the rest and goes on past the batch, as one device does.
+    "2 stages x 2 replicas, a NaN loss rolled back": {
+        "strategy": {"pipeline_stages": 2}, "steps_per_loop": 4, "checkpoint_every": 4,
+        "model_dir": "rolled_back", "train_steps": 12, "nan": True,
+        "on_nonfinite": "rollback"},
 }
 
 
@@ -86,7 +95,8 @@ def process_runs(tmp_path_factory):
                      **{key: str(directory / overrides[key])
                         for key in ("model_dir", "export_dir") if key in overrides},
                      **{key: overrides[key] for key in ("train_steps", "checkpoint_every",
-                                                        "skewed") if key in overrides}})
+                                                        "skewed", "nan", "on_nonfinite")
+                        if key in overrides}})
     result = subprocess.run(
         [os.path.join(BIN, "tfdist-launch"), "--workers=4", "--", sys.executable,
          "tests/mw_worker.py", str(directory), "pipeline", "4", json.dumps(runs)],
@@ -104,7 +114,7 @@ def process_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(PROCESS_RUNS))
-def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name):
+def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name, tmp_path):
     saved, initial, run, summary = process_runs[name]
     workers, slots = saved[0::2], saved[1::2]
     stages = run["strategy"]["pipeline_stages"]
@@ -141,7 +151,14 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
                        precision=run["precision"], jit_compile="off")
     config = config.replace(model=config.model.replace(**run["model"]),
                             optimizer=config.optimizer.replace(**run["optimizer"]))
-    single = train_from(config, initial)
+    if "on_nonfinite" in run:
+        config = config.replace(train=config.train.replace(
+            on_nonfinite=run["on_nonfinite"], checkpoint_every=run["checkpoint_every"],
+            steps_per_loop=run["steps_per_loop"], model_dir=str(tmp_path / "single")))
+    single = train_from(config, initial, **({"dataset_fn": nan_dataset_fn} if run.get("nan")
+                                            else {}))
+    if "on_nonfinite" in run:
+        assert summary["rollbacks"] == single.summary["rollbacks"] == 1
     # Evaluation runs through the stages (the last counts): the chief's test
     # loss and accuracy are one device's on the same weights (within the
     # weights' tolerance; bf16 logits round to 3 significant digits).

@@ -808,14 +808,17 @@ def set_storage(variable, value) -> None:
     (`tfdist.strategies.pipeline`). Verified on tensorflow 2.21.0: the
     freed memory is reused by later allocations (TensorFlow's CPU allocator
     keeps it in the process). Check: in eager mode, the stored shape after
-    the write is `value`'s, else `UpstreamChanged`.
+    the write is `value`'s, else `UpstreamChanged`. In a tf.function, returns
+    the assign op (to chain on).
     """
     import tensorflow as tf
     handle = _require(variable, "handle", "tf.Variable.handle (a resource variable)")
-    tf.raw_ops.AssignVariableOp(resource=handle, value=tf.cast(value, variable.dtype),
-                                validate_shape=False)
-    if tf.executing_eagerly():
-        stored = tf.raw_ops.ReadVariableOp(resource=handle, dtype=variable.dtype)
-        if stored.shape != tf.convert_to_tensor(value).shape:
-            raise _changed("AssignVariableOp(validate_shape=False) on a resource variable",
-                           f"stored shape {stored.shape}, not the value's")
+    op = tf.raw_ops.AssignVariableOp(resource=handle, value=tf.cast(value, variable.dtype),
+                                     validate_shape=False)
+    if not tf.executing_eagerly():
+        return op
+    stored = tf.raw_ops.ReadVariableOp(resource=handle, dtype=variable.dtype)
+    if stored.shape != tf.convert_to_tensor(value).shape:
+        raise _changed("AssignVariableOp(validate_shape=False) on a resource variable",
+                       f"stored shape {stored.shape}, not the value's")
+    return None
