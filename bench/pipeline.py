@@ -3,7 +3,8 @@
     .venv/bin/python bench/pipeline.py [--microbatches 8] [--steps 25] [--width 1024]
         [--depth 6] [--global_batch 512] [--interop 2] [--pin/--nopin] [--png PATH]
 
-Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
+`--stages S` runs S stage processes (default 2; more than the cores measures
+memory, not speed). Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
 Adam, float32, no XLA: the pipeline cannot use it):
 
 - `default`: plain `--strategy=default`, one process using both cores (the
@@ -48,13 +49,13 @@ def _free_port() -> int:
 
 def pipeline_run(args, microbatches: int, kind: str, timeline: str) -> dict:
     """Two stage processes; worker 0's (the chief's) run summary."""
-    ports = [_free_port() for _ in range(2)]
+    ports = [_free_port() for _ in range(args.stages)]
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    command = [TRAIN, "--strategy=pipeline", "--pipeline_stages=2",
+    command = [TRAIN, "--strategy=pipeline", f"--pipeline_stages={args.stages}",
                f"--microbatches={microbatches}", f"--pipeline_schedule={kind}",
                *model_flags(args)]
     procs = []
-    for k in range(2):
+    for k in range(args.stages):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker",
                                                                     "index": k}}),
@@ -86,11 +87,11 @@ def model_flags(args) -> list:
             "--optimizer=adam"]
 
 
-def read_timeline(prefix: str) -> tuple:
-    """([(stage, kind, micro-batch, inputs there, end)] of the last step, both
-    workers; each stage process's peak resident memory in bytes)."""
+def read_timeline(prefix: str, stages: int) -> tuple:
+    """([(stage, kind, micro-batch, inputs there, end)] of the last step, every
+    worker; each stage process's peak resident memory in bytes)."""
     rows, peaks = [], []
-    for k in range(2):
+    for k in range(stages):
         with open(f"{prefix}-{k}.json") as f:
             data = json.load(f)
         rows += [(data["stage"], kind, i, ready, end)
@@ -108,7 +109,7 @@ def bubble(rows: list, stages: int = 2) -> tuple:
     return 1 - busy / (stages * span), span * 1e3
 
 
-def draw(timelines: dict, path: str) -> None:
+def draw(timelines: dict, path: str, stages: int = 2) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -122,7 +123,7 @@ def draw(timelines: dict, path: str) -> None:
                       linewidth=0.4)
             axis.text((ready - start) * 1e3 + (end - ready) * 5e2, stage, f"{kind}{i}",
                       ha="center", va="center", fontsize=6)
-        axis.set_yticks(range(2), [f"stage {s}" for s in range(2)])
+        axis.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
         axis.invert_yaxis()
         axis.set_title(name, fontsize=9)
         axis.set_xlabel("ms into the step")
@@ -132,6 +133,8 @@ def draw(timelines: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2,
+                        help="stage processes (more than the cores: for memory, not speed)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--width", type=int, default=1024)
@@ -163,11 +166,11 @@ def main() -> None:
             run = pipeline_run(args, microbatches, kind, prefix)
             name = f"pipeline M={microbatches}" + (f" {kind}" if microbatches > 1 else "")
             results[name] = run
-            timeline, peaks = read_timeline(prefix)
-            measured, span = bubble(timeline)
+            timeline, peaks = read_timeline(prefix, args.stages)
+            measured, span = bubble(timeline, args.stages)
             if microbatches > 1:
                 timelines[name] = timeline
-            ideal = 1 / (microbatches + 1)
+            ideal = (args.stages - 1) / (microbatches + args.stages - 1)
             rows.append([name, f"{measured:.0%} (ideal {ideal:.0%}; step {span:.0f} ms)",
                          " / ".join(f"{p / 2**20:.0f}" for p in peaks),
                          f"{run['examples_per_sec']:.0f}"])
@@ -177,10 +180,11 @@ def main() -> None:
             speed = float(row[3])
             row += [f"{speed / single:.2f}x", f"{speed / base['examples_per_sec']:.2f}x"]
     print(f"stages: {results['pipeline M=1'].get('stage_layers')}")
-    print(table(rows, ["run", "bubble (last step)", "peak RSS MiB (stage 0 / 1)", "ex/s",
+    print(table(rows, ["run", "bubble (last step)",
+                       f"peak RSS MiB (stage {' / '.join(map(str, range(args.stages)))})", "ex/s",
                        "vs M=1", "vs default"]))
     if args.png:
-        draw(timelines, args.png)
+        draw(timelines, args.png, args.stages)
         print(f"timelines: {args.png}")
 
 
