@@ -440,6 +440,10 @@ def _finish(config, strategy, model, optimizer, summary, task, rebuild) -> RunRe
             rebuild=None if sharded else rebuild)
     if strategy.is_chief and tc.model_dir:
         summary_lib.write_summary(tc.model_dir, summary)
+    pipeline = capability(strategy, PipelineStages)
+    if pipeline and not pipeline.holds_whole_model():
+        logging.info("%s holds its pipeline stage only: RunResult.model predicts, evaluates "
+                     "and exports on the chief", strategy.describe_process())
     if sharded is not None:
         strategy.end_of_run()
     return RunResult(summary=summary, model=model, optimizer=optimizer,

@@ -89,6 +89,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         self._stage_of = {}          # id(trainable variable) -> its stage
         self._released = set()       # ids of variables whose storage is freed here
         self._gather = None          # the traced `gather_stages`
+        self._scatters = {}          # the traced `scatter_stages`, by what they send
         spec = cluster.resolve(config.worker_hosts, config.task_index)
         self.processes = spec is not None and spec.num_workers > 1
         if not self.processes:
@@ -360,10 +361,9 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             return
         pairs = list(pairs)
         key = tuple(id(v) for v, _ in pairs)
-        if getattr(self, "_scatter_key", None) != key:
-            self._scatter_key = key
-            self._scatter = tf.function(lambda: self._scatter_fn(pairs), autograph=False)
-        self._scatter()
+        if key not in self._scatters:   # (with or without the optimizer slots)
+            self._scatters[key] = tf.function(lambda: self._scatter_fn(pairs), autograph=False)
+        self._scatters[key]()
 
     def _scatter_fn(self, pairs):
         timeout = float(self.config.collective_timeout_s)
