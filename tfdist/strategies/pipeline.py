@@ -88,8 +88,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         self._timeline = None
         self._stage_of = {}          # id(trainable variable) -> its stage
         self._released = set()       # ids of variables whose storage is freed here
-        self._gather = None          # the traced `gather_stages`
-        self._scatters = {}          # the traced `scatter_stages`, by what they send
+        self._transfers = {}         # traced `gather_stages`/`scatter_stages`, by content
         spec = cluster.resolve(config.worker_hosts, config.task_index)
         self.processes = spec is not None and spec.num_workers > 1
         if not self.processes:
@@ -337,17 +336,10 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         """Each stage's replica-0 worker (worker s, for stage s) sends every
         variable and slot of its stage to the chief (worker 0, stage 0), one
         point-to-point transfer each, in a group of those two workers; the
-        chief's storage of them is refilled. The other workers keep theirs.
-        One transfer at a time: a send holds copies of its tensor until it is
-        received (serialised for the wire), so all at once held two more
-        copies of the stage in the sender (a 130M-parameter mlp's stage 1
-        grew by 1 GB)."""
+        chief's storage of them is refilled. The other workers keep theirs."""
         if not self.processes or self.num_stages == 1:
             return
-        pairs = list(pairs)
-        if self._gather is None:
-            self._gather = tf.function(lambda: self._gather_fn(pairs), autograph=False)
-        self._gather()
+        self._traced("gather", pairs)()
         if self._worker_index == 0:
             self._released.clear()
 
@@ -357,63 +349,52 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         which stores it. Unlike a broadcast (a sum over every worker of a
         whole-model tensor, with zeros from all but the chief) no worker ever
         holds more than its stage and one transfer."""
-        if not self.processes:
-            return
+        if self.processes:
+            self._traced("scatter", pairs)()
+
+    def _traced(self, kind: str, pairs):
+        """The traced transfers of `pairs` (kept per kind and content)."""
         pairs = list(pairs)
-        key = tuple(id(v) for v, _ in pairs)
-        if key not in self._scatters:   # (with or without the optimizer slots)
-            self._scatters[key] = tf.function(lambda: self._scatter_fn(pairs), autograph=False)
-        self._scatters[key]()
+        key = (kind, tuple(id(v) for v, _ in pairs))
+        if key not in self._transfers:
+            self._transfers[key] = tf.function(lambda: self._transfer_fn(kind, pairs),
+                                               autograph=False)
+        return self._transfers[key]
 
-    def _scatter_fn(self, pairs):
-        timeout = float(self.config.collective_timeout_s)
-        done = []
-        me = self._worker_index
+    def _transfer_fn(self, kind: str, pairs):
+        """Gather: stage s's variables from worker s to worker 0. Scatter: from
+        worker 0 to every worker of their stage. One transfer at a time: a
+        send holds copies of its tensor until it is received (serialised for
+        the wire), and all at once had grown a 130M-parameter mlp's stage-1
+        process by 1 GB."""
+        me, done = self._worker_index, []
         for k, (variable, owner) in enumerate(pairs):
             stage = self._stage_of[id(owner)]
-            wire = tf.float32 if variable.dtype == "bfloat16" else tf.as_dtype(variable.dtype)
-            for worker in range(stage, self._num_workers, self.num_stages):
-                if worker == 0 or me not in (0, worker):
-                    continue
-                keys = dict(group_size=2, group_key=_Transfer.SCATTER_GROUP_BASE + worker,
-                            instance_key=_Transfer.GATHER_INSTANCE_BASE + k,
-                            communication_hint="auto", timeout_seconds=timeout)
-                with tf.control_dependencies(done[-1:]):   # one transfer at a time
-                    if me == 0:
-                        done.append(tf.raw_ops.CollectiveBcastSendV2(
-                            input=tf.cast(tf.convert_to_tensor(variable), wire), **keys))
-                    else:
-                        value = tf.raw_ops.CollectiveBcastRecvV2(
-                            shape=tf.constant([int(d) for d in variable.shape], tf.int32),
-                            T=wire, **keys)
-                        done += [compat.set_storage(component, value)
-                                 for component in self._components(variable)]
-        with tf.control_dependencies(done):
-            return tf.constant(0)
-
-    def _gather_fn(self, pairs):
-        timeout = float(self.config.collective_timeout_s)
-        done = []
-        for k, (variable, owner) in enumerate(pairs):
-            stage = self._stage_of[id(owner)]
-            if stage == 0 or self._worker_index not in (0, stage):
-                continue
-            wire = tf.float32 if variable.dtype == "bfloat16" else tf.as_dtype(variable.dtype)
-            keys = dict(group_size=2, group_key=_Transfer.GATHER_GROUP_BASE + stage,
-                        instance_key=_Transfer.GATHER_INSTANCE_BASE + k,
-                        communication_hint="auto", timeout_seconds=timeout)
-            with tf.control_dependencies(done[-1:]):   # one transfer at a time (below)
-                if self._worker_index == stage:
-                    done.append(tf.raw_ops.CollectiveBcastSendV2(
-                        input=tf.cast(tf.convert_to_tensor(variable), wire), **keys))
-                else:
-                    value = tf.raw_ops.CollectiveBcastRecvV2(
-                        shape=tf.constant([int(d) for d in variable.shape], tf.int32), T=wire,
-                        **keys)
-                    done += [compat.set_storage(component, value)
-                             for component in self._components(variable)]
+            if kind == "gather":
+                moves = [(stage, 0, _Transfer.GATHER_GROUP_BASE + stage)] if stage else []
+            else:
+                moves = [(0, worker, _Transfer.SCATTER_GROUP_BASE + worker)
+                         for worker in range(stage, self._num_workers, self.num_stages) if worker]
+            for sender, receiver, group in moves:
+                if me in (sender, receiver):
+                    with tf.control_dependencies(done[-1:]):
+                        done += self._move(variable, group, _Transfer.GATHER_INSTANCE_BASE + k,
+                                           sending=me == sender)
         with tf.control_dependencies(done):   # (a send's output is used nowhere else)
             return tf.constant(0)
+
+    def _move(self, variable, group_key: int, instance_key: int, sending: bool) -> list:
+        """Send `variable`, or receive it into its storage: the ops to chain on."""
+        wire = tf.float32 if variable.dtype == "bfloat16" else tf.as_dtype(variable.dtype)
+        keys = dict(group_size=2, group_key=group_key, instance_key=instance_key,
+                    communication_hint="auto",
+                    timeout_seconds=float(self.config.collective_timeout_s))
+        if sending:
+            return [tf.raw_ops.CollectiveBcastSendV2(
+                input=tf.cast(tf.convert_to_tensor(variable), wire), **keys)]
+        value = tf.raw_ops.CollectiveBcastRecvV2(
+            shape=tf.constant([int(d) for d in variable.shape], tf.int32), T=wire, **keys)
+        return [compat.set_storage(component, value) for component in self._components(variable)]
 
     def forward(self, x, y):
         """This worker's stage of the evaluation forward pass of one batch:
