@@ -369,6 +369,52 @@ def test_worker_hosts_writes_tf_config():
         cluster.resolve(("localhost:2001",), None, environ={})
 
 
+def _child_running(pid: int, script: str) -> bool:
+    """Whether process `pid` has a child whose command line names `script`."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    command = f.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid and script.encode() in command:
+                return True
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_the_cluster_forms_stops_the_worker_at_once():
+    """SIGTERM to the worker's process group (a launcher, Kubernetes, Slurm)
+    while TensorFlow waits for a peer that never starts, holding the GIL and
+    swallowing SIGTERM: the worker ends at once with one line, long before
+    --collective_timeout_s. (The control is history: the signal used to end
+    only the deadline's process, and the worker waited with no deadline.)"""
+    mine, peer = _free_ports(2)
+    tf_config = json.dumps({"cluster": {"worker": [f"localhost:{mine}", f"localhost:{peer}"]},
+                            "task": {"type": "worker", "index": 0}})
+    proc = subprocess.Popen(
+        [os.path.join(BIN, "tfdist-train"), "--strategy=multi_worker", "--model=mlp",
+         "--train_steps=1", "--collective_timeout_s=100"], cwd=REPO, text=True,
+        env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        waited = time.monotonic() + 60
+        while not _child_running(proc.pid, "watchdog.py"):   # the guarded wait has begun
+            assert proc.poll() is None and time.monotonic() < waited
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - signalled < 20, err[-2000:]
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM while TensorFlow waited for the cluster" in err, err[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_peer_that_never_starts_fails_within_timeout(tmp_path):
     mine, peer = _free_ports(2)   # not fixed: another test's cluster may run meanwhile

@@ -87,9 +87,25 @@ def announce_server(task_type: str, task_index: int, address: str, *,
 
 
 def _watch(parent: int, seconds: float, payload: dict) -> None:
-    """The deadline process: wait for stdin to close or `seconds` to pass."""
+    """The deadline process: wait for stdin to close or `seconds` to pass.
+
+    SIGTERM or SIGINT to the process group (a launcher, Kubernetes or Slurm
+    stopping the job, Ctrl-C) reach this process too, while the parent cannot
+    take them (TensorFlow swallows SIGTERM and holds the GIL in the wait): it
+    kills the parent at once, with one line. Before, the signal ended only
+    this process, and the parent went on waiting with no deadline at all."""
     import select
     import signal
+
+    def stop(signum, _frame):
+        sys.stderr.write(f"{payload['prog']}: stopped by {signal.Signals(signum).name} while "
+                         "TensorFlow waited for the cluster (it takes no signal then)\n")
+        sys.stderr.flush()
+        os.kill(parent, signal.SIGKILL)
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
     ready, _, _ = select.select([sys.stdin], [], [], seconds)
     if ready:
         return  # the guarded block ended (or the parent died): nothing to do
