@@ -369,8 +369,9 @@ def test_worker_hosts_writes_tf_config():
         cluster.resolve(("localhost:2001",), None, environ={})
 
 
-def _child_running(pid: int, script: str) -> bool:
-    """Whether process `pid` has a child whose command line names `script`."""
+def _child_catching_sigterm(pid: int, script: str) -> bool:
+    """Whether process `pid` has a child whose command line names `script` and
+    which has a SIGTERM handler installed (/proc/PID/status SigCgt)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -378,9 +379,12 @@ def _child_running(pid: int, script: str) -> bool:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     command = f.read()
-            except (OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/status") as f:
+                    caught = int(next(line for line in f if line.startswith("SigCgt:"))
+                                 .split()[1], 16)
+            except (OSError, IndexError, ValueError, StopIteration):
                 continue
-            if ppid == pid and script.encode() in command:
+            if ppid == pid and script.encode() in command and caught >> (signal.SIGTERM - 1) & 1:
                 return True
     return False
 
@@ -402,7 +406,7 @@ def test_sigterm_while_the_cluster_forms_stops_the_worker_at_once():
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         waited = time.monotonic() + 60
-        while not _child_running(proc.pid, "watchdog.py"):   # the guarded wait has begun
+        while not _child_catching_sigterm(proc.pid, "watchdog.py"):   # the guarded wait
             assert proc.poll() is None and time.monotonic() < waited
             time.sleep(0.05)
         signalled = time.monotonic()

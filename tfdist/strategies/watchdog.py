@@ -106,6 +106,8 @@ def _watch(parent: int, seconds: float, payload: dict) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop)
+    sys.stdout.write("ready\n")   # the parent waits for this before it blocks
+    sys.stdout.flush()
     ready, _, _ = select.select([sys.stdin], [], [], seconds)
     if ready:
         return  # the guarded block ended (or the parent died): nothing to do
@@ -125,7 +127,11 @@ def deadline(seconds: float, message: str, peers=(), *, prog: str = "tfdist-trai
     payload = json.dumps({"message": message, "peers": list(peers), "prog": prog})
     # -I: only the standard library (this file imports nothing else).
     child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__),
-                              str(os.getpid()), str(seconds), payload], stdin=subprocess.PIPE)
+                              str(os.getpid()), str(seconds), payload], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    # Its signal handlers are in place before TensorFlow may swallow ours
+    # (an empty line: it died, e.g. signalled already; the wait is unguarded then).
+    child.stdout.readline()
     try:
         yield
     finally:
