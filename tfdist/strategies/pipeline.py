@@ -154,11 +154,7 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
         pipelines, each replica's its own."""
         if not self.processes:
             return super().input_iterator(dataset_fn)
-        context = tf.distribute.InputContext(
-            num_input_pipelines=self.pipeline_replicas, input_pipeline_id=self.replica,
-            num_replicas_in_sync=self.pipeline_replicas)
-        with tf.device("/cpu:0"):
-            iterator = iter(dataset_fn(context))
+        iterator = iter(self.distribute_dataset(dataset_fn))
         return iterator, iterator
 
     # -- checks ------------------------------------------------------------------
@@ -412,8 +408,9 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
             return None, [transfer.send_activation(stage, 0, out)]
 
     def distribute_dataset(self, dataset_fn):
-        """Across processes (evaluation), the S workers of a pipeline replica
-        read the same batches, as in `input_iterator`."""
+        """Across processes (training, through `input_iterator`, and
+        evaluation), the S workers of a pipeline replica read the same
+        batches: R input pipelines, one per pipeline replica."""
         if not self.processes:
             return super().distribute_dataset(dataset_fn)
         context = tf.distribute.InputContext(

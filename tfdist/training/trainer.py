@@ -222,10 +222,10 @@ class Trainer:
             self.strategy.broadcast_variables(self.state_variables)
             return
         owned = self._owned_state()
+        staged = {id(v) for v, _ in owned}
         if not self.strategy.any_worker(restored):
             owned = [(v, owner) for v, owner in owned if v is owner]
         self.pipeline.scatter_stages(owned)
-        staged = {id(v) for v, _ in self._owned_state()}
         self.strategy.broadcast_variables([v for v in self.state_variables
                                            if id(v) not in staged])
         self.release_stages()
