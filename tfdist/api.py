@@ -19,7 +19,7 @@ from absl import logging
 
 from tfdist import exporting as export_lib
 from tfdist import models, sharding, strategies
-from tfdist.checkpointing import Checkpointer, checkpoint_dir
+from tfdist.checkpointing import Checkpointer, ReplicaState, checkpoint_dir
 from tfdist.config import RunConfig
 from tfdist.data import tfds_inputs
 from tfdist.data.function_inputs import DatasetFn, FunctionInputs
@@ -27,7 +27,7 @@ from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import flops, hardware, logs, peak
 from tfdist.observe import summary as summary_lib
-from tfdist.training import optimizers, xla
+from tfdist.training import compression, optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
 from tfdist.strategies.capabilities import (PipelineStages, ServingProcesses, TensorSharding,
@@ -161,7 +161,11 @@ def _run_description(config, strategy, model, spec, controller, peak_lr) -> list
     per_replica = tc.global_batch_size // strategy.num_replicas
     micro = f", {tc.accum_steps} micro-batches of {per_replica // tc.accum_steps}" \
         if tc.accum_steps > 1 else ""
-    wire = tc.grad_compression if tc.grad_compression != "none" else "float32"
+    wire = {"none": "float32", "powersgd": f"powersgd rank {tc.powersgd_rank}",
+            "topk": f"top {tc.topk_fraction:g} of each matrix"}.get(tc.grad_compression,
+                                                                  tc.grad_compression)
+    if tc.sync_every:
+        wire = f"local SGD: float32 weights every {tc.sync_every} steps"
     lines = [
         f"hardware: {hardware.describe()}",
         strategy.describe(),
@@ -180,7 +184,7 @@ def _run_description(config, strategy, model, spec, controller, peak_lr) -> list
         lines.append(f"training FLOPs per example: {controller.flops_per_example / 1e6:.1f} M "
                      f"(matmuls and convolutions, 3x forward){peak_text}")
     if strategy.step_copies > 1:  # an explicit gradient all-reduce (not DTensor's SPMD)
-        lines.insert(4, f"gradients reduced per update: {trainer.bytes_per_update / 1e6:.2f} MB "
+        lines.insert(4, f"sent per replica per update: {trainer.bytes_per_update / 1e6:.3f} MB "
                         f"({wire})")
     return lines
 
@@ -263,6 +267,9 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))
+        moved = compression.move_momentum(config.train.grad_compression, optimizer)
+        if moved and strategy.is_chief:
+            logging.info(moved)
         if pipeline:   # a process holding some stages makes the others' slots freed
             pipeline.build_optimizer(optimizer, model.trainable_variables)
         else:
@@ -348,6 +355,7 @@ def _check_run(config, strategy, dataset_fn, spec):
                          f"mesh's batch axis; --strategy={config.strategy.name} has no mesh "
                          "(use --strategy=dtensor, or --zero_stage=0)")
     strategy.check_config(config)
+    compression.check_engine(tc, strategy)
     check_batch(config, strategy.num_replicas)
     xla.check(tc.jit_compile, strategy)
     if tc.profile_steps and not tc.model_dir:
@@ -393,6 +401,15 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
                                     and strategy.num_workers > 1,
                                     model=model,
                                     optimizer=optimizer, step=trainer.step)
+    if checkpointer and trainer.replica_state_variables:
+        checkpointer.replica_state = ReplicaState(
+            checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
+            signature={"grad_compression": tc.grad_compression, "rank": tc.powersgd_rank,
+                       "fraction": tc.topk_fraction, "sync_every": tc.sync_every,
+                       "replicas": strategy.num_replicas},
+            process=strategy.worker_index, processes=strategy.num_workers,
+            variables=trainer.replica_state_variables,
+            replica_values=trainer.local_state.replica_values)
     controller = Controller(config=config, trainer=trainer, inputs=inputs, total_steps=steps,
                             checkpointer=checkpointer, flops_per_example=flops_per_example,
                             peak_tflops=peak_tflops)

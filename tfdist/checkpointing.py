@@ -55,6 +55,9 @@ class Checkpointer:
         # This process's input position, saved with every checkpoint (when the
         # engine's input iterator can be checkpointed; see `InputPosition`).
         self.input_position: Optional[InputPosition] = None
+        # State each replica keeps for itself (error feedback, local optimizer
+        # state), saved by every process with every checkpoint (`ReplicaState`).
+        self.replica_state: Optional[ReplicaState] = None
 
     # -- what is there ---------------------------------------------------------
     def candidates(self) -> list[str]:
@@ -110,6 +113,8 @@ class Checkpointer:
     def save(self, step: int) -> Optional[str]:
         if self.input_position is not None:   # every process: its own pipeline's
             self.input_position.save(step)
+        if self.replica_state is not None:    # every process: its own replicas'
+            self.replica_state.save(step)
         if not self.is_chief and self.shared_write:
             # A mesh over processes (DTensor clients): each writes the shards
             # it holds into the same checkpoint; the chief verifies and indexes.
@@ -230,6 +235,77 @@ class InputPosition:
             logging.warning("the input position of step %d cannot be read (%s)", step,
                             first_line(error))
             return False
+        return True
+
+
+class ReplicaState:
+    """The state each of this process's replicas keeps for itself (the
+    compression's error feedback and PowerSGD's Q; local SGD's optimizer
+    state), saved beside each checkpoint so a resumed run continues exactly.
+
+    As with `InputPosition`, every process keeps its own, in
+    `checkpoints/replicas/<signature>-process-<i>-of-<n>/state-<step>.npz`
+    (written to a temporary name and renamed: never half-written); the
+    signature (the variables' names and shapes and the exchange's settings)
+    keeps another configuration from restoring state that means something
+    else. Where none is found for the step resumed from, the state starts
+    from its initial values (zero error feedback) and a warning says so.
+    """
+
+    def __init__(self, directory: str, *, signature: dict, process: int, processes: int,
+                 keep: int, variables: list, replica_values):
+        import hashlib
+        import json
+        self.variables, self.replica_values, self.keep = list(variables), replica_values, keep
+        signature = {**signature, "variables": [(v.name, list(v.shape)) for v in variables]}
+        digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
+                                .encode()).hexdigest()[:12]
+        self.directory = os.path.join(directory, "replicas",
+                                      f"{digest}-process-{process}-of-{processes}")
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"state-{step}.npz")
+
+    def save(self, step: int) -> None:
+        import io
+
+        import numpy as np
+        arrays = {f"v{j}_r{r}": copy.numpy() for j, variable in enumerate(self.variables)
+                  for r, copy in enumerate(self.replica_values(variable))}
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        path = self._path(step)
+        try:
+            tf.io.gfile.makedirs(self.directory)
+            with tf.io.gfile.GFile(path + ".tmp", "wb") as f:
+                f.write(buffer.getvalue())
+            tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+        except (tf.errors.OpError, OSError) as error:
+            raise CheckpointWriteError(f"cannot save the per-replica state of step {step} in "
+                                       f"{self.directory}: {first_line(error)}") from None
+        steps = sorted((int(re.fullmatch(r"state-(\d+)\.npz", name).group(1))
+                        for name in tf.io.gfile.listdir(self.directory)
+                        if re.fullmatch(r"state-\d+\.npz", name)), reverse=True)
+        for old in steps[self.keep:]:
+            tf.io.gfile.remove(self._path(old))
+
+    def restore(self, step: int) -> bool:
+        """Set every replica's state to the one saved at `step`; False if none."""
+        import io
+
+        import numpy as np
+        path = self._path(step)
+        if not tf.io.gfile.exists(path):
+            logging.warning("no per-replica state was saved with step %d here (%s): error "
+                            "feedback and local optimizer state start afresh", step,
+                            self.directory)
+            return False
+        with tf.io.gfile.GFile(path, "rb") as f:
+            arrays = np.load(io.BytesIO(f.read()))
+            for j, variable in enumerate(self.variables):
+                for r, copy in enumerate(self.replica_values(variable)):
+                    copy.assign(arrays[f"v{j}_r{r}"])
+        logging.info("restored the per-replica state of step %d", step)
         return True
 
 

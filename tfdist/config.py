@@ -19,7 +19,7 @@ from tfdist.errors import ConfigError, UsageError
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 COLLECTIVES = ("auto", "ring", "nccl")
 AUTOSHARD = ("auto", "file", "data", "off")
-GRAD_COMPRESSION = ("none", "fp16", "bf16")
+GRAD_COMPRESSION = ("none", "fp16", "bf16", "powersgd", "topk")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 LR_SCALING = ("none", "linear", "sqrt")
 LR_DECAY = ("constant", "cosine")
@@ -264,7 +264,16 @@ class TrainConfig(_Replace):
     epochs: Optional[int] = None
     steps_per_loop: int = 50            # steps run inside one tf.function call
     accum_steps: int = 1                # micro-batches per update (gradient accumulation)
-    grad_compression: str = "none"      # none | fp16 | bf16: dtype of the cross-replica sum
+    # How gradients cross replicas: none | fp16 | bf16 (the sum's dtype) |
+    # powersgd (rank-`powersgd_rank` factors) | topk (the largest
+    # `topk_fraction` of each matrix's entries), the last two with error feedback.
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
+    topk_fraction: float = 0.01
+    topk_warmup_steps: int = 0          # DGC's density warm-up, over this many updates
+    # Local SGD: every replica steps on its own gradients and the weights are
+    # averaged every `sync_every` steps; 0: gradients summed at every step.
+    sync_every: int = 0
     precision: str = "float32"          # float32 | mixed_bfloat16 | mixed_float16
     loss_scale_growth_steps: int = 2000  # mixed_float16: finite steps before the scale doubles
     eval_every: int = 0                 # steps between evaluations; 0: only at the end
@@ -317,6 +326,7 @@ class TrainConfig(_Replace):
         _positive("steps_per_loop", self.steps_per_loop)
         _positive("accum_steps", self.accum_steps)
         _one_of("grad_compression", self.grad_compression, GRAD_COMPRESSION)
+        _check_exchange_config(self)
         _one_of("precision", self.precision, PRECISIONS)
         _positive("loss_scale_growth_steps", self.loss_scale_growth_steps)
         _non_negative("eval_every", self.eval_every)
@@ -350,6 +360,41 @@ class TrainConfig(_Replace):
             raise ConfigError("on_nonfinite='rollback' restores the last checkpoint: set "
                               "model_dir (or use on_nonfinite=skip)")
         _seconds("preemption_grace_s", self.preemption_grace_s)
+
+
+def _check_exchange_config(tc) -> None:
+    """The compression and local-SGD settings of `TrainConfig` `tc`."""
+    _positive("powersgd_rank", tc.powersgd_rank)
+    if not (_finite(tc.topk_fraction) and 0 < tc.topk_fraction <= 1):
+        raise ConfigError(f"topk_fraction={tc.topk_fraction!r} must be in (0, 1] (the share "
+                          "of each matrix's entries sent, e.g. 0.01)")
+    _non_negative("topk_warmup_steps", tc.topk_warmup_steps)
+    _non_negative("sync_every", tc.sync_every)
+    stateful = tc.grad_compression in ("powersgd", "topk")
+    if stateful and tc.reduce_bucket_mb:
+        raise ConfigError(f"reduce_bucket_mb={tc.reduce_bucket_mb:g} with grad_compression="
+                          f"{tc.grad_compression}: its exchange is made of its own "
+                          "collectives; use reduce_bucket_mb=0")
+    if stateful and tc.precision == "mixed_float16":
+        raise ConfigError(f"grad_compression={tc.grad_compression} keeps error feedback "
+                          "across updates, which mixed_float16's changing loss scale would "
+                          "mis-scale; use precision=mixed_bfloat16 or float32")
+    if not tc.sync_every:
+        return
+    why = None
+    if tc.accum_steps > 1:
+        why = (f"accum_steps={tc.accum_steps}: local steps already average over the "
+               "replica's own batch; use accum_steps=1")
+    elif tc.grad_compression != "none":
+        why = (f"grad_compression={tc.grad_compression}: local SGD sends weights, not "
+               "gradients; use grad_compression=none")
+    elif tc.reduce_bucket_mb:
+        why = f"reduce_bucket_mb={tc.reduce_bucket_mb:g}: no gradients are reduced"
+    elif tc.grad_agreement_every:
+        why = (f"grad_agreement_every={tc.grad_agreement_every}: no summed gradient to "
+               "compare with")
+    if why:
+        raise ConfigError(f"sync_every={tc.sync_every} (local SGD) with {why}")
 
 
 @dataclasses.dataclass(frozen=True)

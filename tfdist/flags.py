@@ -188,8 +188,27 @@ _MICROBATCHES = flags.DEFINE_integer(
     upper_bound=config_lib.INT_MAX)
 _GRAD_COMPRESSION = flags.DEFINE_enum(
     "grad_compression", _TRAIN_DEFAULTS.grad_compression, list(config_lib.GRAD_COMPRESSION),
-    "Cast gradients to this dtype for the cross-replica sum (halves the bytes reduced), "
-    "back to the variables' dtype after; every strategy.")
+    "How gradients cross replicas. fp16/bf16: cast for the sum (half the bytes), every "
+    "strategy. powersgd: each matrix as rank --powersgd_rank factors (two all-reduces); "
+    "topk: the largest --topk_fraction of each matrix's entries (an all-gather); both "
+    "with per-replica error feedback, 1-D tensors sent whole; mirrored, multi_worker "
+    "and horovod.")
+_POWERSGD_RANK = flags.DEFINE_integer(
+    "powersgd_rank", _TRAIN_DEFAULTS.powersgd_rank, "--grad_compression=powersgd: the rank "
+    "of each matrix's factors (at most its smaller dimension).", lower_bound=1)
+_TOPK_FRACTION = flags.DEFINE_float(
+    "topk_fraction", _TRAIN_DEFAULTS.topk_fraction, "--grad_compression=topk: the share of "
+    "each matrix's entries each replica sends per update, in (0, 1].")
+_TOPK_WARMUP_STEPS = flags.DEFINE_integer(
+    "topk_warmup_steps", _TRAIN_DEFAULTS.topk_warmup_steps, "--grad_compression=topk: over "
+    "this many updates the share sent falls from 25% to --topk_fraction in four stages "
+    "(deep gradient compression's warm-up); 0: none.", lower_bound=0)
+_SYNC_EVERY = flags.DEFINE_integer(
+    "sync_every", _TRAIN_DEFAULTS.sync_every, "Local SGD: each replica steps its own "
+    "optimizer on its own gradients, and the weights are averaged every N steps "
+    "(optimizer state stays per replica); loops, logs, evaluations and checkpoints "
+    "happen at those averages. 0: gradients summed at every step. mirrored, "
+    "multi_worker and horovod.", lower_bound=0)
 _EVAL_EVERY = flags.DEFINE_integer(
     "eval_every", _TRAIN_DEFAULTS.eval_every, "Evaluate on the test split every N steps (0: only at the end).", lower_bound=0)
 _REDUCE_BUCKET_MB = flags.DEFINE_float(
@@ -389,6 +408,8 @@ def run_config() -> config_lib.RunConfig:
                 global_batch_size=_GLOBAL_BATCH_SIZE.value, train_steps=train_steps,
                 epochs=_EPOCHS.value, steps_per_loop=_STEPS_PER_LOOP.value,
                 accum_steps=accum_steps, grad_compression=_GRAD_COMPRESSION.value,
+                powersgd_rank=_POWERSGD_RANK.value, topk_fraction=_TOPK_FRACTION.value,
+                topk_warmup_steps=_TOPK_WARMUP_STEPS.value, sync_every=_SYNC_EVERY.value,
                 precision=_PRECISION.value,
                 loss_scale_growth_steps=_LOSS_SCALE_GROWTH_STEPS.value,
                 eval_every=_EVAL_EVERY.value,

@@ -36,6 +36,12 @@ def by_dtype(tensors: Sequence, reduce: Callable) -> list:
     return reduced
 
 
+def tf_variable(variable):
+    """The `tf.Variable` behind `variable` (a Keras variable holds one)."""
+    import keras
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
 class Strategy(abc.ABC):
     """Base class of every strategy adapter: the core hooks.
 

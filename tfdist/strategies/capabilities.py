@@ -226,3 +226,30 @@ class PipelineStages(Capability):
         (the model's output, []) where the last stage runs here, else (None,
         the ops that must run: sends to the next stage). `y` gives the rows."""
         raise NotImplementedError
+
+
+class ReplicaLocalState(Capability):
+    """Each replica runs the step on its own share of the batch and may keep
+    state of its own between steps, and tensors can be gathered from every
+    replica: what compressed exchanges with error feedback
+    (`--grad_compression=powersgd|topk`) and local SGD (`--sync_every`) need.
+    Engines whose step is one SPMD program (DTensor), or whose workers step
+    independently against servers (parameter servers), do not have it."""
+
+    @abc.abstractmethod
+    def replica_variable(self, initial_value, name: str):
+        """A variable of which every replica holds (and updates, in replica
+        context) its own copy, starting from `initial_value` (a tensor, or
+        a callable returning one)."""
+
+    @abc.abstractmethod
+    def replica_values(self, variable) -> list:
+        """The copies of `variable` (a `replica_variable`, or one of the
+        model's or optimizer's variables) held by this process's replicas,
+        in replica order: variables that can be read and assigned eagerly."""
+
+    @abc.abstractmethod
+    def all_gather(self, tensor):
+        """Every replica's `tensor` (same dtype and rank; the first dimension
+        may differ) concatenated along axis 0 in replica order (called in
+        replica context)."""

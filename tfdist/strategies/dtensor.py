@@ -349,6 +349,11 @@ class DTensorStrategy(Strategy, TensorSharding):
                 f"--grad_compression={config.train.grad_compression} does not apply to "
                 "--strategy=dtensor: DTensor reduces gradients inside its SPMD program, not "
                 "through an all-reduce tfdist could cast; use --grad_compression=none")
+        if config.train.sync_every:
+            raise UsageError(
+                f"--sync_every={config.train.sync_every} does not apply to --strategy=dtensor: "
+                "its one SPMD program holds one copy of the weights, with no per-replica "
+                "steps to average; use --sync_every=0")
 
     @property
     def num_replicas(self) -> int:

@@ -31,8 +31,8 @@ from absl import logging
 
 from tfdist import slurm
 from tfdist.errors import UsageError
-from tfdist.strategies.base import Strategy
-from tfdist.strategies.capabilities import ElasticMembership
+from tfdist.strategies.base import Strategy, tf_variable
+from tfdist.strategies.capabilities import ElasticMembership, ReplicaLocalState
 
 ELASTIC_GLOO_TIMEOUT_S = 120
 BUILD_HINT = "build it with `make horovod` (launch/build_horovod.sh; see BUILD_NOTES.md)"
@@ -96,7 +96,7 @@ def _horovod_hosts(environ, tasks: int) -> str:
     return ",".join(f"{host}:{count}" for host, count in zip(task.hosts, task.tasks_per_node))
 
 
-class HorovodStrategy(Strategy, ElasticMembership):
+class HorovodStrategy(Strategy, ElasticMembership, ReplicaLocalState):
     """Data parallelism over Horovod ranks; rank 0 is the chief. Elastic
     (ranks may leave and join) with --elastic."""
 
@@ -226,6 +226,18 @@ class HorovodStrategy(Strategy, ElasticMembership):
         if self.num_replicas == 1:
             return list(tensors)
         return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
+
+    # -- capabilities.ReplicaLocalState (one replica per rank) --------------------
+    def replica_variable(self, initial_value, name):
+        return tf.Variable(initial_value, trainable=False, name=name)
+
+    def replica_values(self, variable):
+        return [tf_variable(variable)]
+
+    def all_gather(self, tensor):
+        if self.num_replicas == 1:
+            return tensor
+        return self._hvd.allgather(tensor)
 
     def broadcast_variables(self, variables) -> None:
         """Rank 0's values everywhere (its initial weights, or its checkpoint)."""

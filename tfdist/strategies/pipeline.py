@@ -167,6 +167,12 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                 f"--global_batch_size={tc.global_batch_size} must be divisible by pipeline "
                 f"replicas ({self.pipeline_replicas}) x --microbatches ({tc.accum_steps}) "
                 f"= {parts}; e.g. {max(parts, tc.global_batch_size // parts * parts)}")
+        if tc.grad_compression in ("powersgd", "topk") or tc.sync_every:
+            what = (f"--sync_every={tc.sync_every}" if tc.sync_every
+                    else f"--grad_compression={tc.grad_compression}")
+            raise UsageError(f"{what}: --strategy=pipeline reduces each stage's gradients "
+                             "among that stage's replicas in its own step; it has no "
+                             "per-replica compression or local SGD (fp16/bf16 casts work)")
         if tc.reduce_bucket_mb:
             raise UsageError(f"--reduce_bucket_mb={tc.reduce_bucket_mb}: --strategy=pipeline "
                              "makes one reduction per update; use --reduce_bucket_mb=0")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.strategies.base import Strategy
+from tfdist.strategies.base import Strategy, tf_variable
+from tfdist.strategies.capabilities import ReplicaLocalState
 
 
-class TFDistributeStrategy(Strategy):
+class TFDistributeStrategy(Strategy, ReplicaLocalState):
     """A `tf.distribute.Strategy` behind the adapter interface.
 
     Subclasses implement `_create()`; replication, input distribution and
@@ -86,6 +87,21 @@ class TFDistributeStrategy(Strategy):
     def _all_reduce_sum(self, tensors):
         context = tf.distribute.get_replica_context()
         return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+    # -- capabilities.ReplicaLocalState -------------------------------------------
+    def replica_variable(self, initial_value, name):
+        # Sync-on-read: each replica reads and assigns its own copy in replica
+        # context (tf.distribute's per-replica metric variables).
+        with self._strategy.scope():
+            return tf.Variable(initial_value, trainable=False, name=name,
+                               synchronization=tf.VariableSynchronization.ON_READ,
+                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def replica_values(self, variable):
+        return list(self._strategy.experimental_local_results(tf_variable(variable)))
+
+    def all_gather(self, tensor):
+        return tf.distribute.get_replica_context().all_gather(tensor, axis=0)
 
 
 def run_first_result(strategy: tf.distribute.Strategy, replica_fn, args):

@@ -35,6 +35,13 @@ def _due(every: int, step: int) -> bool:
     return bool(every) and step % every == 0
 
 
+def _passed(every: int, start: int, stop: int) -> bool:
+    """Whether a loop from `start` to `stop` reached a multiple of `every`: the
+    loop ends on it, except under local SGD, whose loops end only where the
+    weights are averaged (the first average at or after it)."""
+    return bool(every) and stop // every > start // every
+
+
 @dataclasses.dataclass
 class _Run:
     """What one pass of the outer loop accumulates."""
@@ -95,6 +102,7 @@ class Controller:
                 if self.elastic:
                     return self.elastic.train_elastic(lambda: self._train_to_end(signals), state)
                 self.trainer.broadcast_state(restored is not None)
+                self._restore_replica_state()
                 return self._train_to_end(signals)
         finally:
             self.profiler.stop()
@@ -142,6 +150,8 @@ class Controller:
         for boundary in self.profiler.boundaries():
             if boundary > step:
                 stop = min(stop, boundary)
+        if tc.sync_every:   # local SGD: loops end where the weights are averaged
+            stop = min(self.total_steps, -(-stop // tc.sync_every) * tc.sync_every)
         return stop
 
     @staticmethod
@@ -157,13 +167,17 @@ class Controller:
         tc = self.train_config
         run.train_metrics = self._train_metrics(totals, examples_per_sec)
         logged = dict(run.train_metrics)
-        if _due(tc.grad_agreement_every, step) and totals.agreement is not None:
+
+        def due(every):
+            return _passed(every, self.loop_start, step)
+
+        if due(tc.grad_agreement_every) and totals.agreement is not None:
             self.grad_agreement = _agreement_metrics(totals.agreement)
             logged.update(self.grad_agreement)
-        if _due(tc.eval_every, step) or step == self.total_steps:
+        if due(tc.eval_every) or step == self.total_steps:
             run.eval_metrics = self.evaluate()
             logged.update(run.eval_metrics)
-        if self.checkpointer and (_due(tc.checkpoint_every, step) or step == self.total_steps):
+        if self.checkpointer and (due(tc.checkpoint_every) or step == self.total_steps):
             self.trainer.share_stages()
             self.checkpointer.save(step)
             if step < self.total_steps:
@@ -175,7 +189,7 @@ class Controller:
             logged.update(scheduled.schedule_metrics())
         self.tensorboard.write(step, logged)
         run.progress.update(step, {**run.train_metrics, **run.eval_metrics},
-                            log=not tc.log_every or _due(tc.log_every, step)
+                            log=not tc.log_every or due(tc.log_every)
                             or step == self.total_steps)
         self._check_signals(run.signals, step)
         if self.elastic:
@@ -234,7 +248,15 @@ class Controller:
     def _broadcast_restored(self) -> int:
         """After a rollback's restore on the chief: its state everywhere; the step."""
         self.trainer.broadcast_state(True)
+        self._restore_replica_state()
         return self.trainer.current_step()
+
+    def _restore_replica_state(self) -> None:
+        """Every process: its replicas' own state of the step resumed from
+        (after the chief's state was broadcast), where it keeps any."""
+        step = self.trainer.current_step()
+        if step and self.checkpointer and self.checkpointer.replica_state is not None:
+            self.checkpointer.replica_state.restore(step)
 
     def _regrouped(self) -> None:
         """Workers left or joined (elastic): the number of replicas, this

@@ -20,10 +20,9 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import UsageError, first_line
 from tfdist.strategies.base import Strategy
-from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, TensorSharding,
-                                            capability)
-from tfdist.training import nonfinite, xla
-from tfdist.training.compression import GradientCompression
+from tfdist.strategies.capabilities import (PipelineStages, ReplicaLocalState, ScheduledSteps,
+                                            TensorSharding, capability)
+from tfdist.training import compression, nonfinite, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task
 from tfdist.training.totals import LOSS_DIVISOR, LOSS_NUMERATOR, METRICS, LoopTotals
@@ -125,8 +124,17 @@ class Trainer:
         self.strategy, self.model, self.optimizer, self.task = strategy, model, optimizer, task
         self.global_batch_size = config.train.global_batch_size
         self.counters_size = METRICS + task.metric_size
-        self.compression = GradientCompression(config.train.grad_compression)
-        self.bytes_per_update = self.compression.bytes_per_update(model.trainable_variables)
+        self.compression = compression.create(config.train, model.trainable_variables,
+                                              optimizer)
+        # Local SGD (--sync_every=K): replicas step on their own gradients,
+        # and the weights are averaged every K steps (`_local_sgd_loop_fn`).
+        self.sync_every = config.train.sync_every
+        self.local_state = capability(strategy, ReplicaLocalState)
+        if self.compression.stateful:
+            self.compression.build(self.local_state)
+        self.bytes_per_update = (
+            sum(compression.bytes_of(v) for v in model.trainable_variables) / self.sync_every
+            if self.sync_every else self.compression.bytes_per_update(model.trainable_variables))
         self.jit_level = jit_level
         self.sharded = capability(strategy, TensorSharding)
         self.pipeline = capability(strategy, PipelineStages)
@@ -151,6 +159,17 @@ class Trainer:
         """Everything a replica must share with the chief: weights, optimizer, step."""
         return [*self.model.variables, *self.optimizer.variables, self.step]
 
+    @property
+    def replica_state_variables(self) -> list:
+        """State each replica holds for itself and every process saves beside
+        a checkpoint (`checkpointing.ReplicaState`): the compression's error
+        feedback (and PowerSGD's Q); under local SGD, the optimizer's state,
+        which is not averaged."""
+        variables = list(getattr(self.compression, "state_variables", []))
+        if self.sync_every:
+            variables += list(self.optimizer.variables)
+        return variables
+
     def current_step(self) -> int:
         return int(self.strategy.to_host(self.step).numpy())
 
@@ -167,10 +186,13 @@ class Trainer:
         elif self.jit_level == xla.STEP:
             self._gradients_fn = tf.function(self._local_gradients, jit_compile=True,
                                              autograph=False)
+        loop_fn = self._local_sgd_loop_fn if self.sync_every else self._train_loop_fn
+        if self.sync_every:
+            self._step_fn = self._replica_local_step
         if isinstance(self.strategy, ScheduledSteps):
-            self._train_loop = self.strategy.scheduled_loop(self._train_loop_fn)
+            self._train_loop = self.strategy.scheduled_loop(loop_fn)
         else:
-            self._train_loop = self.strategy.host_function(self._train_loop_fn)
+            self._train_loop = self.strategy.host_function(loop_fn)
         self._eval_loop = self.strategy.host_function(self._eval_loop_fn)
 
     # -- the host's calls ------------------------------------------------------
@@ -360,6 +382,12 @@ class Trainer:
         """(the global gradient of `updated_variables`, the reduced counters):
         one cross-replica sum."""
         variables = self.updated_variables
+        if self.compression.stateful:
+            data, separate, counters = self.compression.exchange(
+                local.data, local.regularization, local.counters,
+                replicas=self.strategy.num_replicas, reduce=self.strategy.all_reduce_sum,
+                gather=self.local_state.all_gather)
+            return self._rescaled(data, separate, counters, local.provisional_divisor)
         sent = self.compression.compress(local.data + local.regularization)
         if self.split_update:
             summed, counters = self.pipeline.reduce_update(sent, local.counters)
@@ -368,10 +396,15 @@ class Trainer:
             reduced = self._reduce(sent + [local.counters])
         grads = self.compression.decompress(
             reduced[:-1], variables * (2 if local.regularization else 1))
-        counters = reduced[-1]
         data, separate = grads[:len(variables)], grads[len(variables):]
-        if local.provisional_divisor is not None:   # rescale by the reduced global divisor
-            factor = tf.math.divide_no_nan(local.provisional_divisor, counters[LOSS_DIVISOR])
+        return self._rescaled(data, separate, reduced[-1], local.provisional_divisor)
+
+    @staticmethod
+    def _rescaled(data, separate, counters, provisional_divisor):
+        """(the gradient, `counters`): `data` rescaled by the divisor in
+        `counters` where it was provisional (`LocalGradients`), plus `separate`."""
+        if provisional_divisor is not None:   # rescale by the reduced global divisor
+            factor = tf.math.divide_no_nan(provisional_divisor, counters[LOSS_DIVISOR])
             data = [g * tf.cast(factor, g.dtype) for g in data]
         if separate:
             data = [g + r for g, r in zip(data, separate)]
@@ -412,6 +445,46 @@ class Trainer:
             self.strategy, self.train_config.on_nonfinite, counters,
             lambda g: self.optimizer.apply(g, variables), grads)
         return out
+
+    def _replica_local_step(self, batch, report: bool = False,
+                            measure_agreement: bool = False) -> dict:
+        """One local SGD step: this replica's optimizer on this replica's own
+        gradient (its share of the loss, scaled to the mean over its own
+        examples); only the counters cross replicas (a few floats), so that
+        metrics and the non-finite check agree everywhere."""
+        del measure_agreement   # refused with --sync_every (config)
+        x, y, weight = batch
+        local = self._gradients_fn(x, y, weight)
+        counters = self.strategy.all_reduce_sum([local.counters])[0]
+        copies = float(self.strategy.step_copies)
+        if local.provisional_divisor is None:   # scaled by 1/(copies x this replica's divisor)
+            data = [g * copies for g in local.data]
+        else:
+            factor = tf.math.divide_no_nan(local.provisional_divisor,
+                                           local.counters[LOSS_DIVISOR])
+            data = [g * tf.cast(factor, g.dtype) for g in local.data]
+        if local.regularization:
+            data = [g + r * copies for g, r in zip(data, local.regularization)]
+        out = {"counters": counters, "grad_norm": tf.zeros([])}
+        if report:   # this replica's gradient (replica 0's is reported)
+            norm = tf.linalg.global_norm(data)
+            scale = Precision.dynamic_scale(self.optimizer)
+            out["grad_norm"] = norm if scale is None else norm / tf.cast(scale, tf.float32)
+        variables = self.model.trainable_variables
+        nonfinite.apply_unless_nonfinite(
+            self.strategy, self.train_config.on_nonfinite, counters,
+            lambda g: self.optimizer.apply(g, variables), data)
+        return out
+
+    def _average_weights(self) -> None:
+        """Local SGD's synchronisation: every replica's weights set to their
+        mean (one all-reduce of the weights; assigned in cross-replica
+        context, once for every copy)."""
+        variables = self.model.trainable_variables
+        summed = self.strategy.run(lambda: self.strategy.all_reduce_sum(
+            [tf.identity(v.value) for v in variables]))
+        for variable, total in zip(variables, summed):
+            variable.assign(total / tf.cast(self.strategy.step_copies, total.dtype))
 
     def _replica_agreement(self, local, summed):
         """Cosine similarity of this replica's gradient with the cross-replica sum
@@ -499,6 +572,44 @@ class Trainer:
         if measure_agreement:
             result["agreement"] = last["agreement"]
         return result
+
+    def _local_sgd_loop_fn(self, iterator, num_steps, measure_agreement: bool) -> dict:
+        """`_train_loop_fn` for local SGD: groups of `sync_every` local steps,
+        each followed by the weights' average; the loop ends with one (the
+        controller ends loops only where an average is due)."""
+        del measure_agreement
+        every = self.sync_every
+
+        def step(i, tally):
+            out = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator))
+            return i + 1, nonfinite.tally_add(tally, out["counters"], i)
+
+        def group(i, tally):
+            end = tf.minimum(i + every, num_steps)
+            i, tally = tf.while_loop(lambda j, _: j < end, step, (i, tally),
+                                     parallel_iterations=1)
+            self._average_weights()
+            return i, tally
+
+        # Whole groups, then the last group's steps, the last one traced apart
+        # to report the gradient norm (as `_train_loop_fn`).
+        last_group = ((num_steps - 1) // every) * every
+        i, tally = tf.while_loop(lambda i, _: i < last_group, group,
+                                 (tf.constant(0), nonfinite.tally(self.counters_size)),
+                                 parallel_iterations=1)
+        _, tally = tf.while_loop(lambda j, _: j < num_steps - 1, step, (i, tally),
+                                 parallel_iterations=1)
+        last = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator), True)
+        tally = nonfinite.tally_add(tally, last["counters"], num_steps - 1)
+        self._average_weights()
+        if self.strategy.step_copies > 1 and self._synced_state():
+            summed = self.strategy.run(self._replica_sum_state)
+            for variable, total in zip(self._synced_state(), summed):
+                variable.assign(total / self.strategy.step_copies)
+        self.step.assign_add(tf.cast(num_steps, tf.int64))
+        counters, bad, first_bad = tally
+        return {"counters": counters, "grad_norm": last["grad_norm"], "nonfinite": bad,
+                "first_nonfinite": first_bad}
 
     def _eval_loop_fn(self, iterator, num_steps):
         def step(i, totals):
