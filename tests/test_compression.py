@@ -204,3 +204,41 @@ def test_engines_without_per_replica_state_or_elastic_refuse(name):
         compression.check_engine(config.train, strategy)
     assert {"parameter_server": "--strategy=parameter_server has none",
             "horovod": "with --elastic"}[name] in str(error.value)
+
+
+def test_preemption_between_averages_saves_at_the_next_one(tmp_path, initial):
+    """SIGTERM before the first of K=4 local steps has finished: training goes
+    on to the next average (step 4; --steps_per_loop=1 and --checkpoint_every=1
+    would stop at 1), saves there with every replica's optimizer state, and a
+    resume from it ends where an uninterrupted run does."""
+    import signal
+    import threading
+    import time
+    from tfdist.training.interrupts import Preempted
+
+    def config(directory, steps):
+        return _config(steps=steps, steps_per_loop=1, checkpoint_every=1, sync_every=4,
+                       optimizer="adam", model_dir=str(directory))
+
+    def sigterm_once_handled():
+        # Once tfdist's handler is in (the controller's, around the loops):
+        # the signal is then taken in Python as soon as it arrives, long
+        # before the first loop's trace and compile end.
+        default = signal.getsignal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while signal.getsignal(signal.SIGTERM) is default and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    straight = train_from(config(tmp_path / "straight", 12), initial)
+    sender = threading.Thread(target=sigterm_once_handled)
+    sender.start()
+    try:
+        with pytest.raises(Preempted) as stopped:
+            train_from(config(tmp_path / "run", 12), initial)
+    finally:
+        sender.join()
+    assert stopped.value.step == 4
+    assert glob.glob(str(tmp_path / "run" / "checkpoints" / "replicas" / "*" / "state-4.npz"))
+    resumed = train_from(config(tmp_path / "run", 12), initial)
+    assert _largest_difference(resumed, straight) < 1e-7
