@@ -132,6 +132,7 @@ def early_runs(background, tmp_path_factory, data_dir):
 # three at the same setting): no XLA compile per run.
 SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4,
                 jit_compile="off")
+POWERSGD = {**SHUFFLED, "grad_compression": "powersgd", "powersgd_rank": 2}
 TASK_CASES = ["multilabel", "tokens_ignore_class"]
 NONFINITE_MODES = ["stop", "skip", "rollback"]
 _LINE = re.compile(r"\[(\d+)\]<(stdout|stderr)>:(.*)")
@@ -219,6 +220,18 @@ def first_run(tmp_path_factory, mw_initial, early_runs):
            for case in TASK_CASES},
         **{f"nan_{mode}": _nan_job(mw_initial, tmp_path / f"nan_{mode}", mode)
            for mode in ("skip", "rollback")},
+        # Compression and local SGD under Horovod (hvd.allgather, per-rank state):
+        # every entry sent, or weights averaged after every SGD step, is plain
+        # synchronous training; rank-2 PowerSGD and 5 local steps are not.
+        "topk_every_entry": (mw_initial, 10, {"grad_compression": "topk", "topk_fraction": 1.0,
+                                              "jit_compile": "off"}),
+        "local_every_step": (mw_initial, 10, {"sync_every": 1, "jit_compile": "off"}),
+        "local_every_5": (mw_initial, 10, {"sync_every": 5, "jit_compile": "off"}),
+        # PowerSGD's exact resume in fresh ranks: each rank restores its own
+        # error feedback and Q (second_run's "powersgd_resumed").
+        "powersgd_straight": (mw_initial, 12, POWERSGD),
+        "powersgd_first": (mw_initial, 8, {**POWERSGD,
+                                           "model_dir": str(tmp_path / "powersgd_first" / "run")}),
         "resume_straight": (mw_initial, 12, SHUFFLED),
         "resume_first": (mw_initial, 8, {**SHUFFLED,
                                          "model_dir": str(tmp_path / "resume_first" / "run")}),
@@ -233,7 +246,9 @@ def second_run(tmp_path_factory, mw_initial, first_run, without_horovodrun):
     Beside it: the single-process runs of without_horovodrun."""
     tmp_path = tmp_path_factory.mktemp("hvd_second")
     model_dir = str(first_run["resume_first"][1] / "run")
+    powersgd_dir = str(first_run["powersgd_first"][1] / "run")
     jobs = {"resume_resumed": (mw_initial, 12, {**SHUFFLED, "model_dir": model_dir}),
+            "powersgd_resumed": (mw_initial, 12, {**POWERSGD, "model_dir": powersgd_dir}),
             "nan_stop": _nan_job(mw_initial, tmp_path / "nan_stop", "stop")}
     return _run_driver(tmp_path, jobs)
 
@@ -323,6 +338,40 @@ def test_every_feature_at_once_keeps_ranks_identical(first_run, mw_initial):
         np.testing.assert_array_equal(a, b)
     assert all(np.isfinite(w).all() for w in workers[0])
     assert any(not np.array_equal(w, i) for w, i in zip(workers[0], mw_initial))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["topk_every_entry", "local_every_step"])
+def test_two_ranks_top_k_of_every_entry_and_local_sgd_every_step_match_single_process(
+        first_run, single_device, mw_initial, name):
+    _assert_ranks_match_single_device(first_run[name], single_device, mw_initial)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_local_sgd_agree_at_the_average_and_differ_from_plain(first_run,
+                                                                        single_device):
+    result, out_dir = first_run["local_every_5"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    workers = [_weights(out_dir, i) for i in (0, 1)]
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)
+    assert max(np.abs(w - s).max() for w, s in zip(workers[0], single_device)) > 1e-4
+
+
+@pytest.mark.timeout(240)
+def test_powersgd_ranks_resume_their_own_state_exactly(first_run, second_run, mw_initial):
+    """8 steps, then 4 more in fresh rank processes (each restores its own
+    error feedback and Q from beside the checkpoint) == 12 straight. Control
+    (in process, tests/test_compression.py): without the saved state a resume differs."""
+    for name in ("powersgd_straight", "powersgd_resumed"):
+        assert first_run.get(name, second_run.get(name))[0].returncode == 0, name
+    straight_dir, resumed_dir = first_run["powersgd_straight"][1], second_run["powersgd_resumed"][1]
+    for rank in (0, 1):
+        assert_weights_close(_weights(resumed_dir, rank), _weights(straight_dir, rank), rtol=0,
+                             atol=1e-6)
+    assert "restored the per-replica state of step 8" in second_run["powersgd_resumed"][0].stderr
+    assert max(np.abs(w - i).max()
+               for w, i in zip(_weights(straight_dir, 0), mw_initial)) > 1e-3
 
 
 SINGLE_RANK_ARGS = ["--strategy=horovod", "--model=mlp", "--model_width=8", "--train_steps=2",

@@ -76,6 +76,13 @@ CLUSTER_RUNS = {
     "batch_norm": {"model": {"name": "cnn", "width": 4, "depth": 1}},
     "every_feature": {"accum_steps": 2, "grad_compression": "bf16",
                       "precision": "mixed_float16"},
+    # Compression and local SGD across processes (all-gather, per-worker state):
+    # every entry sent, or weights averaged after every SGD step, is plain
+    # synchronous training; rank-2 PowerSGD and 5 local steps are not.
+    "topk_every_entry": {"grad_compression": "topk", "topk_fraction": 1.0},
+    "powersgd": {"grad_compression": "powersgd", "powersgd_rank": 2},
+    "local_every_step": {"sync_every": 1},
+    "local_every_5": {"sync_every": 5},
     # check_exact_resume's uninterrupted 12 steps and its first 8 (the resumed
     # 4 run in a fresh cluster: the position must come from the checkpoint).
     "straight": {**SHUFFLED, "train_steps": 12},
@@ -158,6 +165,27 @@ def test_every_feature_at_once_keeps_workers_identical(cluster_runs):
         np.testing.assert_array_equal(a, b)
     assert all(np.isfinite(w).all() for w in workers[0])
     assert any(not np.array_equal(w, i) for w, i in zip(workers[0], initial))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["topk_every_entry", "local_every_step"])
+def test_two_workers_top_k_of_every_entry_and_local_sgd_every_step_match_single_process(
+        cluster_runs, name):
+    workers, initial = cluster_runs[name]
+    assert_match_single_device(workers, initial, single=cluster_runs["single"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["powersgd", "local_every_5"])
+def test_two_workers_compressed_or_local_agree_and_differ_from_plain(cluster_runs, name):
+    """Rank-2 PowerSGD (both workers get the same approximate sum) and local
+    SGD averaged every 5 steps (the run ends on an average): the workers end
+    identical, and away from plain training (the control: they do compress
+    or step locally)."""
+    workers, initial = cluster_runs[name]
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)
+    assert max(np.abs(w - s).max() for w, s in zip(workers[0], cluster_runs["single"])) > 1e-4
 
 
 def _long_run(model_dir, data_dir, extra=()):
