@@ -40,6 +40,9 @@ QUICK = ["--model=mlp", "--model_width=8", "--model_depth=1", "--train_steps=2",
     (["--label_smoothing=0.1"], "label_smoothing=0.1 needs loss=categorical_crossentropy"),
     (["--strategy=dtensor", "--mesh=batch:2"], "--mesh='batch:2' must name exactly the axes batch "
                                                "and model"),
+    (["--grad_compression=topk", "--topk_fraction=1.5"], "topk_fraction=1.5 must be in (0, 1]"),
+    (["--sync_every=4", "--accum_steps=2"], "sync_every=4 (local SGD) with accum_steps=2"),
+    (["--grad_compression=zip"], "--grad_compression"),
 ])
 def test_flag_errors_exit_2_before_tensorflow(args, message):
     result = run_cli(args, timeout=60)
@@ -67,6 +70,15 @@ def _after_start_up_cases(a_file, data_dir):
         (["--strategy=mirrored", "--elastic", f"--data_dir={data_dir}"],
          "--elastic: --strategy=mirrored cannot change its number of workers during a run; "
          "--strategy=horovod under an elastic horovodrun"),
+        # The model's layers are known only once it is built (still before training).
+        # (Before the dtensor transformer case: a failed DTensor build leaves Keras
+        # state behind in this one process.)
+        (["--strategy=mirrored", "--grad_compression=powersgd", "--powersgd_rank=9",
+          f"--data_dir={data_dir}", f"--model_dir={a_file.parent / 'powersgd_run'}"],
+         "--powersgd_rank=9 is larger than the smaller dimension (8) of"),
+        (["--strategy=dtensor", "--mesh=batch:2,model:1", "--sync_every=2",
+          f"--data_dir={data_dir}"],
+         "--sync_every=2 does not apply to --strategy=dtensor"),
         (["--strategy=dtensor", "--mesh=batch:2,model:2", f"--data_dir={data_dir}"],
          "--mesh=batch:2,model:2 needs 4 devices but --virtual_devices=2; set "
          "--virtual_devices=4"),
@@ -110,7 +122,7 @@ def cli_runs(tmp_path_factory, data_dir):
 
 def test_errors_found_after_start_up_exit_2(cli_runs):
     """Errors that need the engine or the data: each before any training step."""
-    assert len(cli_runs["errors"]) == 9
+    assert len(cli_runs["errors"]) == 11
     for (args, message), result in cli_runs["errors"]:
         assert result.returncode == 2, (args, result.stderr[-2000:])
         error_lines = [l for l in result.stderr.splitlines() if "error:" in l]
@@ -118,6 +130,7 @@ def test_errors_found_after_start_up_exit_2(cli_runs):
         assert "Traceback" not in result.stderr
         assert "step 1/" not in result.stderr  # nothing trained
     assert cli_runs["a_file"].read_text() == "not a directory"  # nothing on disk was touched
+    assert not os.listdir(cli_runs["root"] / "powersgd_run")   # no run record either
 
 
 def test_virtual_devices_after_runtime_start_is_a_usage_error():

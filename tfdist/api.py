@@ -380,9 +380,6 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     steps = total_steps(tc, inputs.spec)
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
     task = _task(config, strategy, model, inputs, loss, metrics)
-    if strategy.is_chief and tc.model_dir:
-        export_lib.write_run_record(tc.model_dir, config, inputs.spec,
-                                    builder=model_fn is None)
 
     by_op = flops.try_forward_flops_by_op(model) or {}
     flops_per_example = flops.TRAINING_PASSES * sum(by_op.values()) or None
@@ -393,6 +390,9 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         if flops_per_example else None
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,
                       task=task, jit_level=jit_level)
+    if strategy.is_chief and tc.model_dir:   # once every check has passed
+        export_lib.write_run_record(tc.model_dir, config, inputs.spec,
+                                    builder=model_fn is None)
     checkpointer = None
     if tc.model_dir:
         checkpointer = Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
