@@ -84,6 +84,26 @@ def test_topk_of_every_entry_equals_uncompressed(initial, plain, optimizer):
             < plain[optimizer].summary["bytes_reduced_per_update"])
 
 
+def test_topk_warm_up_sends_less_in_four_stages_and_loops_end_between_them(caplog, initial):
+    """DGC's warm-up over 8 steps: 25%, 6.25%, 1.56%, 0.39%, then the target;
+    a loop ends at each stage's first step (each stage is its own trace)."""
+    import logging
+    import re
+    from tfdist.training.compression import TopK
+    exchange = TopK(models.build(_config().model, IMAGE_SPEC).trainable_variables, 0.001,
+                    warmup_updates=8)
+    assert [exchange.density_at(s) for s in range(10)] == [
+        0.25, 0.25, 0.0625, 0.0625, 0.25 ** 3, 0.25 ** 3, 0.25 ** 4, 0.25 ** 4, 0.001, 0.001]
+    assert exchange.boundaries() == [2, 4, 6, 8]
+    with caplog.at_level(logging.INFO):
+        warm = train_from(_config(steps=10, grad_compression="topk", topk_fraction=0.01,
+                                  topk_warmup_steps=8), initial)
+    logged = [int(m) for m in re.findall(r"step (\d+)/10", caplog.text)]
+    assert logged == [2, 4, 6, 8, 10]   # --steps_per_loop=10, yet loops end at the stages
+    cold = train_from(_config(steps=10, grad_compression="topk", topk_fraction=0.01), initial)
+    assert _largest_difference(warm, cold) > 1e-4   # control: the warm-up sent more
+
+
 def test_topk_moves_sgd_momentum_into_the_exchange(initial):
     """Momentum SGD under top-k: the momentum is applied before sparsification
     (DGC's momentum correction) and the optimizer steps without it. With

@@ -81,6 +81,8 @@ CLUSTER_RUNS = {
     # synchronous training; rank-2 PowerSGD and 5 local steps are not.
     "topk_every_entry": {"grad_compression": "topk", "topk_fraction": 1.0},
     "powersgd": {"grad_compression": "powersgd", "powersgd_rank": 2},
+    # DGC's warm-up: the count sent changes at steps 2, 4, 6 and 8.
+    "topk_warmup": {"grad_compression": "topk", "topk_fraction": 0.01, "topk_warmup_steps": 8},
     "local_every_step": {"sync_every": 1},
     "local_every_5": {"sync_every": 5},
     # check_exact_resume's uninterrupted 12 steps and its first 8 (the resumed
@@ -176,7 +178,7 @@ def test_two_workers_top_k_of_every_entry_and_local_sgd_every_step_match_single_
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", ["powersgd", "local_every_5"])
+@pytest.mark.parametrize("name", ["powersgd", "topk_warmup", "local_every_5"])
 def test_two_workers_compressed_or_local_agree_and_differ_from_plain(cluster_runs, name):
     """Rank-2 PowerSGD (both workers get the same approximate sum) and local
     SGD averaged every 5 steps (the run ends on an average): the workers end

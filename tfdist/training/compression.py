@@ -11,7 +11,7 @@ every replica.
   `Compression.fp16`; works under every engine.
 - `powersgd` (`PowerSGD`, Vogels et al. 2019): each matrix's sum sent as
   rank-r factors P [n, r] and Q [m, r] (a tensor of more than 2 dimensions
-  as [n = all but its last dimension, m = the last]) in two all-reduces,
+  as the most nearly square matrix, `_matrix_shape`) in two all-reduces,
   with error feedback and Q warm-started from the last update.
 - `topk` (`TopK`, deep gradient compression, Lin et al. 2018): each replica
   sends the largest `fraction` of each matrix's entries (values and indices,
@@ -52,6 +52,15 @@ class Cast:
 
     stateful = False
 
+    def boundaries(self) -> list:
+        """Global steps at which a loop must end because the exchange changes
+        there (top-k's warm-up stages); its loops are traced per `loop_key`."""
+        return []
+
+    def loop_key(self, step: int):
+        """What the exchange's trace depends on for a loop from global `step`."""
+        return None
+
     def __init__(self, name: str = "none"):
         self.name = name
         self.dtype = CASTS[name]
@@ -89,11 +98,16 @@ def bytes_of(variable) -> int:
 
 
 def _matrix_shape(variable):
-    """[n, m] a tensor of 2 or more dimensions is treated as; None for 1-D/scalars."""
-    shape = list(variable.shape)
+    """[n, m] a tensor of 2 or more dimensions is treated as (None for 1-D and
+    scalars): its dimensions split in two where the matrix is most nearly
+    square (an attention kernel [width, heads, head size] as [width, heads x
+    head size]; a convolution [h, w, in, out] as [h x w x in, out]), which
+    leaves a low rank the most room."""
+    shape = [int(d) for d in variable.shape]
     if len(shape) < 2:
         return None
-    return [int(math.prod(shape[:-1])), int(shape[-1])]
+    splits = [[math.prod(shape[:j]), math.prod(shape[j:])] for j in range(1, len(shape))]
+    return max(splits, key=min)
 
 
 def _name(variable) -> str:
@@ -109,6 +123,8 @@ class StatefulExchange:
 
     stateful = True
     name = ""
+    boundaries = Cast.boundaries
+    loop_key = Cast.loop_key
 
     def __init__(self, variables):
         self.variables = list(variables)
@@ -225,9 +241,12 @@ class TopK(StatefulExchange):
     one all-gather) and v (and u: factor masking) are zeroed there; what is
     not sent stays in v for later updates. Every replica adds up the gathered
     entries (duplicates add), so all hold the same sparse sum. With
-    `warmup_updates` W, the density falls from 25% in four equal stages
-    (DGC's exponential warm-up) to `fraction` at update W. At fraction 1 every
-    entry is sent and the sum is exact.
+    `warmup_updates` W, the density falls from 25% in four equal stages of
+    global steps (DGC's exponential warm-up) to `fraction` at step W; loops
+    end at the stages' boundaries and are traced per stage, so every count
+    sent is a constant of its trace (an all-gather of tensors whose size is
+    known only at run time failed across processes: "Shape mismatch in the
+    collective instance"). At fraction 1 every entry is sent and the sum is exact.
 
     The momentum the optimizer would have applied moves here (`move_momentum`):
     DGC assumes momentum SGD. Under Adam (or any optimizer without a plain
@@ -246,8 +265,26 @@ class TopK(StatefulExchange):
             raise UsageError("--grad_compression=topk sends int32 indices: a tensor of "
                              f"{max(self.sizes)} entries is too large")
 
+        self._density = self.density_at(0)
+
     def k(self, size: int, density: float = None) -> int:
         return max(1, min(size, math.ceil(size * (density or self.fraction))))
+
+    def density_at(self, step: int) -> float:
+        """The share sent at global `step` (DGC's warm-up, then `fraction`)."""
+        if step >= self.warmup_updates:
+            return self.fraction
+        stage = step * WARMUP_STAGES // self.warmup_updates
+        return max(self.fraction, WARMUP_START ** (stage + 1))
+
+    def boundaries(self) -> list:
+        return sorted({math.ceil(stage * self.warmup_updates / WARMUP_STAGES)
+                       for stage in range(1, WARMUP_STAGES + 1)} - {0}) \
+            if self.warmup_updates else []
+
+    def loop_key(self, step: int):
+        self._density = self.density_at(step)
+        return self._density
 
     def _compressed_bytes(self) -> int:
         return sum(self.k(size) * 8 for size in self.sizes)   # fp32 value + int32 index
@@ -260,28 +297,15 @@ class TopK(StatefulExchange):
             if self.momentum:
                 self.velocity[i] = state.replica_variable(tf.zeros([size], tf.float32),
                                                           name=f"topk_momentum_{i}")
-        self.updates = state.replica_variable(tf.zeros([], tf.int64), name="topk_updates")
-        self.state_variables = [*self.accumulated.values(), *self.velocity.values(),
-                                self.updates]
-
-    def _counts(self):
-        """Entries sent per matrix at this update (tensors under warm-up)."""
-        if not self.warmup_updates:
-            return [tf.constant(self.k(size)) for size in self.sizes]
-        done = tf.cast(self.updates.read_value(), tf.float32)
-        stage = tf.floor(done * WARMUP_STAGES / self.warmup_updates)
-        density = tf.where(done < self.warmup_updates,
-                           tf.maximum(self.fraction, WARMUP_START * (WARMUP_START ** stage)),
-                           self.fraction)
-        return [tf.clip_by_value(tf.cast(tf.math.ceil(density * size), tf.int32), 1, size)
-                for size in self.sizes]
+        self.state_variables = [*self.accumulated.values(), *self.velocity.values()]
 
     def exchange(self, grads, extra, counters, *, replicas, reduce, gather):
         dense = reduce([grads[i] for i in self.dense] + list(extra) + [counters])
         dense, extra, counters = dense[:len(self.dense)], dense[len(self.dense):-1], dense[-1]
         finite = tf.reduce_all(tf.math.is_finite(counters))
         values, indices, states, offset = [], [], [], 0
-        for i, size, k in zip(self.compressed, self.sizes, self._counts()):
+        for i, size in zip(self.compressed, self.sizes):
+            k = self.k(size, self._density)
             g = tf.cast(tf.reshape(grads[i], [-1]), tf.float32)
             velocity = None
             if self.momentum:
@@ -312,7 +336,6 @@ class TopK(StatefulExchange):
                                                      tf.zeros_like(top, tf.float32))
                 updates.append(self.velocity[i].assign(
                     self._keep_if(finite, masked, self.velocity[i].read_value())))
-        updates.append(self.updates.assign_add(1))
         out = list(grads)
         for i, part in zip(self.compressed, tf.split(summed, self.sizes)):
             out[i] = tf.cast(tf.reshape(part, self.variables[i].shape), grads[i].dtype)

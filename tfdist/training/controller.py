@@ -147,7 +147,7 @@ class Controller:
                       tc.grad_agreement_every, commit_every):
             if every:
                 stop = min(stop, (step // every + 1) * every)
-        for boundary in self.profiler.boundaries():
+        for boundary in [*self.profiler.boundaries(), *self.trainer.compression.boundaries()]:
             if boundary > step:
                 stop = min(stop, boundary)
         if tc.sync_every:   # local SGD: loops end where the weights are averaged

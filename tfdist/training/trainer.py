@@ -200,8 +200,11 @@ class Trainer:
         """`num_steps` steps from `iterator` (a `Strategy.input_iterator`).
         `measure_agreement` (a full extra pass and a small collective) also
         measures the per-replica gradient agreement at the last step."""
+        # The exchange may change between loops (top-k's warm-up): a trace per key.
+        key = self.compression.loop_key(self.current_step()) if self.compression.boundaries() \
+            else None
         with _traced_without_autograph():
-            result = self._train_loop(iterator, tf.constant(num_steps), measure_agreement)
+            result = self._train_loop(iterator, tf.constant(num_steps), measure_agreement, key)
         self._gathered = False
         return result if isinstance(result, LoopTotals) else LoopTotals.from_tensors(result)
 
@@ -543,11 +546,12 @@ class Trainer:
         return self.strategy.all_reduce_sum([counters])[0]
 
     # -- in-graph loops -----------------------------------------------------------
-    def _train_loop_fn(self, iterator, num_steps, measure_agreement: bool) -> dict:
+    def _train_loop_fn(self, iterator, num_steps, measure_agreement: bool, key=None) -> dict:
         """`num_steps` replica steps, as `LoopTotals.fields`. The last step, traced
         separately after the loop, also reports the gradient norm and, with
         `measure_agreement` (a Python bool), the agreement, which adds a
-        collective: collectives cannot sit in a `tf.cond` in replica context."""
+        collective: collectives cannot sit in a `tf.cond` in replica context.
+        `key` (the exchange's `loop_key`) only makes a trace per value."""
         def step(i, tally):
             out = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator))
             return i + 1, nonfinite.tally_add(tally, out["counters"], i)
@@ -573,11 +577,12 @@ class Trainer:
             result["agreement"] = last["agreement"]
         return result
 
-    def _local_sgd_loop_fn(self, iterator, num_steps, measure_agreement: bool) -> dict:
+    def _local_sgd_loop_fn(self, iterator, num_steps, measure_agreement: bool,
+                           key=None) -> dict:
         """`_train_loop_fn` for local SGD: groups of `sync_every` local steps,
         each followed by the weights' average; the loop ends with one (the
         controller ends loops only where an average is due)."""
-        del measure_agreement
+        del measure_agreement, key
         every = self.sync_every
 
         def step(i, tally):
