@@ -262,3 +262,16 @@ def test_preemption_between_averages_saves_at_the_next_one(tmp_path, initial):
     assert glob.glob(str(tmp_path / "run" / "checkpoints" / "replicas" / "*" / "state-4.npz"))
     resumed = train_from(config(tmp_path / "run", 12), initial)
     assert _largest_difference(resumed, straight) < 1e-7
+
+
+@pytest.mark.parametrize("train, per_update", [
+    (dict(grad_compression="powersgd", powersgd_rank=2), 2),   # P, then Q
+    (dict(grad_compression="topk"), 1),                        # + the all-gather
+])
+def test_accumulation_compresses_once_per_update(train, per_update):
+    """4 micro-batches, then one exchange: PowerSGD's two all-reduces and
+    top-k's one (beside its all-gather) per replica, not per micro-batch."""
+    from test_features import _reductions_in_one_step
+    config = run_config("mirrored", batch=64, accum_steps=4, width=WIDTH, **train)
+    adapter, traced = _reductions_in_one_step(config)
+    assert traced == per_update * adapter.num_replicas

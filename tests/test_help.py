@@ -22,7 +22,8 @@ from tfdist.observe import peak
 
 from conftest import BIN, REPO
 
-GROUPS = ["engine and cluster", "model and data", "training", "precision and speed", "faults",
+GROUPS = ["engine and cluster", "model and data", "training", "precision and speed",
+          "slow network", "faults",
           "output"]
 _HEADER = re.compile(r"^([a-z][a-z ]*):$")   # "engine and cluster:"
 _ENTRY = re.compile(r"^  --(?:\[no\])?(\w+)")

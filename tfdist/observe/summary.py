@@ -44,6 +44,9 @@ def run_summary(config, controller, inputs, metrics: dict, *, peak_lr: float) ->
         "final_learning_rate": optimizers.current_learning_rate(optimizer),
         "loss_scale": Precision.loss_scale(optimizer),
         "grad_compression": tc.grad_compression,
+        "powersgd_rank": tc.powersgd_rank if tc.grad_compression == "powersgd" else None,
+        "topk_fraction": tc.topk_fraction if tc.grad_compression == "topk" else None,
+        "sync_every": tc.sync_every,
         "bytes_reduced_per_update": trainer.bytes_per_update,
         # This process's peak resident memory so far (Linux: ru_maxrss in KiB).
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
