@@ -390,6 +390,9 @@ def _check_exchange_config(tc) -> None:
                "gradients; use grad_compression=none")
     elif tc.reduce_bucket_mb:
         why = f"reduce_bucket_mb={tc.reduce_bucket_mb:g}: no gradients are reduced"
+    elif tc.precision == "mixed_float16":
+        why = ("precision=mixed_float16: each replica's loss scale would follow its own "
+               "gradients; use precision=mixed_bfloat16 or float32")
     elif tc.grad_agreement_every:
         why = (f"grad_agreement_every={tc.grad_agreement_every}: no summed gradient to "
                "compare with")

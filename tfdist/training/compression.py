@@ -51,6 +51,7 @@ class Cast:
     """none/fp16/bf16: the trainer's one reduction, in another dtype."""
 
     stateful = False
+    state_variables = ()
 
     def boundaries(self) -> list:
         """Global steps at which a loop must end because the exchange changes

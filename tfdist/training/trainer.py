@@ -4,7 +4,10 @@
 one engine call and returns their `LoopTotals`; `evaluate` runs the test
 split. One replica step computes gradients over `accum_steps` micro-batches,
 then makes exactly one cross-replica sum, of the gradients and the step's
-metric counters together, and applies the update. When and how often loops
+metric counters together (or, under --grad_compression=powersgd|topk, the
+exchange's own collectives, once per update), and applies the update. Under
+local SGD (--sync_every) a step applies the replica's own gradient and the
+loop averages the weights every K steps. When and how often loops
 run (intervals, checkpoints, signals, rollback) is the `Controller`'s.
 Everything engine-specific goes through the strategy adapter's hooks.
 """
@@ -165,7 +168,7 @@ class Trainer:
         a checkpoint (`checkpointing.ReplicaState`): the compression's error
         feedback (and PowerSGD's Q); under local SGD, the optimizer's state,
         which is not averaged."""
-        variables = list(getattr(self.compression, "state_variables", []))
+        variables = list(self.compression.state_variables)
         if self.sync_every:
             variables += list(self.optimizer.variables)
         return variables
@@ -383,7 +386,9 @@ class Trainer:
 
     def _global_gradients(self, local: LocalGradients):
         """(the global gradient of `updated_variables`, the reduced counters):
-        one cross-replica sum."""
+        one cross-replica sum, or the stateful exchange's collectives
+        (`compression.StatefulExchange`: PowerSGD's two all-reduces, top-k's
+        all-reduce and all-gather)."""
         variables = self.updated_variables
         if self.compression.stateful:
             data, separate, counters = self.compression.exchange(
