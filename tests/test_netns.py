@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
@@ -30,9 +29,7 @@ from tfdist.config import DataConfig
 from tfdist.data import tfds_inputs
 
 import netns
-from conftest import BIN, REPO
 
-TRAIN = os.path.join(BIN, "tfdist-train")
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 PORT = 23456                # inside the namespaces: nothing else listens there
 # The cut lands at the first checkpoint (step 40); the 160 steps and 4
@@ -50,87 +47,24 @@ COLLECTIVE_TIMEOUT_S = 15
 MARGIN_S = 15
 PREFIX = f"tfd{os.getpid()}"  # <= 15-character interface names: tfd<pid>v0
 
-
-_ip = netns.ip
-
-
 _WHY = netns.why_not(PREFIX)
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
 
 
-class Link:
-    """Namespaces NS0/NS1, veth ends V0 (in NS0, ADDRESSES[0]) and V1 (NS1)."""
-
-    def __init__(self):
-        self.namespaces = (f"{PREFIX}ns0", f"{PREFIX}ns1")
-        self.ends = (f"{PREFIX}v0", f"{PREFIX}v1")
-
-    def create(self):
-        for ns in self.namespaces:
-            _ip("netns", "add", ns)
-        # Both ends are created inside their namespaces: nothing in the host's.
-        _ip("-n", self.namespaces[0], "link", "add", self.ends[0], "type", "veth",
-            "peer", "name", self.ends[1], "netns", self.namespaces[1])
-        for ns, end, address in zip(self.namespaces, self.ends, ADDRESSES):
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", end)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", end, "up")
-
-    def set(self, index, state):
-        _ip("-n", self.namespaces[index], "link", "set", self.ends[index], state)
-
-    def delete(self):
-        for ns in self.namespaces:
-            _ip("netns", "del", ns, check=False)
-
-
-class Workers:
+class Workers(netns.Workers):
     """The two tfdist-train processes of one run (output in files)."""
 
     def __init__(self, link, directory, model_dir, data_dir):
-        self.link, self.directory = link, directory
         self.model_dir, self.data_dir = model_dir, data_dir
-        self.procs = []
-
-    def command(self, index):
-        hosts = ",".join(f"{address}:{PORT}" for address in ADDRESSES)
-        return ["ip", "netns", "exec", self.link.namespaces[index], TRAIN,
-                "--strategy=multi_worker", f"--worker_hosts={hosts}", f"--task_index={index}",
-                "--model=mlp", "--model_width=16", "--model_depth=1",
-                "--global_batch_size=32", "--steps_per_loop=10",
-                f"--checkpoint_every={CHECKPOINT_EVERY}",
-                "--keep_checkpoints=100", f"--train_steps={STEPS}", "--shuffle_buffer=1000",
-                f"--data_dir={self.data_dir}", f"--model_dir={self.model_dir}",
-                f"--collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
-                "--jit_compile=off"]   # a cut link, not the step's arithmetic: no XLA compile
-
-    def start(self, run):
-        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        self.run = run
-        # `ip netns exec` execs the command: each pid is the worker's own.
-        self.procs = []
-        for index in (0, 1):
-            with open(self.path(index, "out"), "w") as out, \
-                    open(self.path(index, "err"), "w") as err:
-                self.procs.append(subprocess.Popen(self.command(index), cwd=REPO, env=env,
-                                                   stdout=out, stderr=err))
-
-    def path(self, index, stream):
-        return os.path.join(self.directory, f"{self.run}-w{index}.{stream}")
-
-    def text(self, index, stream):
-        with open(self.path(index, stream)) as f:
-            return f.read()
-
-    def tails(self):
-        return "\n".join(f"--- worker {i} stderr:\n{self.text(i, 'err')[-2500:]}" for i in (0, 1))
-
-    def kill(self):
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        super().__init__(link, directory, [
+            "--model=mlp", "--model_width=16", "--model_depth=1",
+            "--global_batch_size=32", "--steps_per_loop=10",
+            f"--checkpoint_every={CHECKPOINT_EVERY}",
+            "--keep_checkpoints=100", f"--train_steps={STEPS}", "--shuffle_buffer=1000",
+            f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+            f"--collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+            # A cut link, not the step's arithmetic: no XLA compile.
+            "--jit_compile=off"], port=PORT)
 
 
 def _faults(stderr):
@@ -139,7 +73,7 @@ def _faults(stderr):
 
 @pytest.fixture(scope="module")
 def link():
-    made = Link()
+    made = netns.Link(PREFIX, ADDRESSES)
     try:
         made.create()
         yield made
