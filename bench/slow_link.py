@@ -1,0 +1,272 @@
+"""Training across a slow network: gradient compression and local SGD on a
+shaped link between two "hosts".
+
+    sudo .venv/bin/python bench/slow_link.py [--configs none,bf16,powersgd,topk,localsgd]
+        [--rates 1gbit,100mbit] [--steps 24] [--width 256] [--delay 1ms] [--quick]
+
+The two hosts are two network namespaces joined by a veth pair
+(tests/netns.py `Link`), each direction limited by a `tbf` qdisc on its end
+(`tc qdisc replace ... tbf rate R burst B latency 100ms`: B is 10 ms of R,
+at least 64 KiB). A `--delay` is added with `netem` where the kernel has it;
+where `tc` refuses netem, the bench says why in one line and runs without
+delay. One `tfdist-train --strategy=multi_worker --worker_hosts=... --task_index=i`
+worker runs in each namespace, training the transformer on tfdist_tokens
+(--model_width=--width, depth 2, global batch 64, learning rate 0.003,
+8 steps per loop, XLA as --jit_compile=auto picks), for each configuration:
+
+- none: gradients all-reduced in float32;
+- bf16: `--grad_compression=bf16` (cast for the sum);
+- powersgd r4: `--grad_compression=powersgd --powersgd_rank=4`;
+- topk 1%: `--grad_compression=topk --topk_fraction=0.01`;
+- local SGD K=8: `--sync_every=8` (weights averaged every 8 steps).
+
+A configuration this tfdist-train does not know (it exits 2 on the flag)
+gets the row "not available: <its error>" and the bench goes on.
+
+What each row reports, for each rate:
+
+- ex/s: `examples_per_sec` of the chief's run summary (the timed loops after
+  the first, compiling one), and its ratio to `none` at that rate;
+- bytes/step: bytes actually sent over the link per training step, from the
+  interface counters (tx bytes of both veth ends: every header and TCP
+  retransmission included), never computed from the model. Each
+  configuration trains twice with identical flags but --train_steps, N and
+  N + --steps (N = one loop); start-up, the initial broadcast of the weights,
+  evaluation, the final checkpoint and the exit are the same in both, so
+  (bytes_long - bytes_short) / --steps is what the extra steps sent. The
+  heartbeats and coordination traffic of the long run's extra wall time
+  remain in that difference: they are subtracted as the idle rate times the
+  wall-time difference. The idle rate is measured on the same runs: the
+  counters are sampled every 0.25 s, and the idle rate is the bytes per
+  second of the stretches of at least 2 s, between the first and the last
+  bulk transfer, in which no sample saw more than 4 KB (TensorFlow's
+  heartbeats, and small coordination and metric reductions). It is printed
+  (idle B/s): a few hundred bytes a second here (about 1.5 KB/s with local
+  SGD, whose quiet stretches include the steps between its averages), under
+  0.1% of any row's bytes per second. Also printed in units of the model's
+  float32 gradient bytes per worker (a ring all-reduce over 2 workers sends
+  one model's bytes per worker per step), and as a reduction against `none`;
+- link busy: bytes/step x steps/s of the timed loops / (2 directions x rate),
+  the share of the step time the link is carrying data (1.0: saturated);
+- test accuracy: the summary's test `accuracy` after the long run (the same
+  number of examples for every row). With the default steps that is early
+  training: a sanity check that a row still learns, not a convergence study.
+
+The default width 256 (1.63 M parameters, 6.5 MB of float32 gradients,
+13.1 MB over the link per uncompressed step) makes the uncompressed run
+link-bound at 100mbit, measured: the link carries data for 0.7 of its step
+time (the step's compute does not overlap it) and it trains 3.4-3.7x slower
+than at 1gbit, where the link is busy 0.25 of the time and compute bounds it.
+Figures: bench/results/slow_link.md. 8-10.5 minutes at the defaults on
+this 2-core EPYC, 6 with --quick (most of a run is TensorFlow's start-up and
+XLA compilation, ~20 s, twice per row); the step rates are noisy when the
+machine is shared, the bytes repeat to 0.2%.
+
+Every run has a hard timeout (--timeout) and a fresh --model_dir; the
+namespaces (slowns0 and slowns1; left-overs of an earlier run deleted first)
+are deleted however the bench ends. Needs root, `ip netns`, veth and `tc`
+with `tbf`: otherwise it says why in one line and exits 0. The table goes to
+bench/results/slow_link.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# tests/ after bench/: both have a common.py.
+sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))
+
+import netns  # noqa: E402
+from common import Clock, finish, hardware_header, print_row  # noqa: E402
+
+CONFIGS = {   # --configs name: (row label, flags)
+    "none": ("none", []),
+    "bf16": ("bf16", ["--grad_compression=bf16"]),
+    "powersgd": ("powersgd r4", ["--grad_compression=powersgd", "--powersgd_rank=4"]),
+    "topk": ("topk 1%", ["--grad_compression=topk", "--topk_fraction=0.01"]),
+    "localsgd": ("local SGD K=8", ["--sync_every=8"]),
+}
+PREFIX = "slow"   # namespaces slowns0/slowns1, veth slowv0/slowv1: fixed, so left-overs are found
+ADDRESSES = ("10.235.0.1", "10.235.0.2")
+PORT = 23456
+LOOP = 8          # steps per loop; the short run is one loop (a multiple of K=8)
+SAMPLE_S = 0.25   # counter sampling period, for the idle rate
+QUIET_BYTES = 4000        # a sample interval with at most this much is quiet
+QUIET_STRETCH_S = 2.0     # idle: quiet stretches at least this long
+HEADER = ["rate", "config", "ex/s", "speed-up", "MB/step", "per worker (x model)",
+          "bytes reduction", "link busy", "test acc", "idle B/s"]
+
+
+class RunFailed(Exception):
+    """A run that could not be measured; str() is what its row says."""
+
+
+def model_flags(args) -> list:
+    return ["--model=transformer", "--dataset=tfdist_tokens", f"--model_width={args.width}",
+            "--model_depth=2", "--global_batch_size=64", "--learning_rate=0.003",
+            f"--steps_per_loop={LOOP}", "--collective_timeout_s=120"]
+
+
+def run(link, directory, name, flags, steps, timeout) -> dict:
+    """One two-worker run of `steps` steps: the chief's summary, the bytes the
+    link carried from start to exit, the wall time and the counter samples."""
+    model_dir = os.path.join(directory, name)
+    workers = netns.Workers(link, directory, [*flags, f"--train_steps={steps}",
+                                              f"--model_dir={model_dir}"], port=PORT)
+    before, start = link.tx_bytes(), time.monotonic()
+    samples = [(0.0, 0)]
+    workers.start(name)
+    try:
+        while any(p.poll() is None for p in workers.procs):
+            if time.monotonic() - start > timeout:
+                raise RunFailed(f"timed out (> {timeout:.0f} s)")
+            time.sleep(SAMPLE_S)
+            samples.append((time.monotonic() - start, link.tx_bytes() - before))
+    finally:
+        workers.kill()
+    seconds = time.monotonic() - start
+    sent = link.tx_bytes() - before
+    codes = [p.returncode for p in workers.procs]
+    if codes != [0, 0]:
+        lines = [line.strip() for line in workers.text(0, "err").splitlines() if line.strip()]
+        errors = [line for line in lines if "rror" in line] or lines or ["no output"]
+        why = errors[-1][-160:]
+        raise RunFailed(f"not available: {why}" if 2 in codes else f"fails (exit {codes}): {why}")
+    return {"summary": workers.summary(), "bytes": sent, "seconds": seconds,
+            "samples": samples}
+
+
+def quiet(samples) -> tuple:
+    """(bytes, seconds) of the quiet stretches (every sample interval <=
+    QUIET_BYTES, together >= QUIET_STRETCH_S) between the first and the last
+    bulk transfer of a run's counter samples."""
+    steps = [(t1 - t0, b1 - b0) for (t0, b0), (t1, b1) in zip(samples, samples[1:])]
+    bulk = [i for i, (_, sent) in enumerate(steps) if sent > QUIET_BYTES]
+    if not bulk:
+        return 0, 0.0
+    total_bytes, total_s, stretch = 0, 0.0, []
+    for dt, sent in steps[bulk[0] + 1:bulk[-1]] + [(0.0, QUIET_BYTES + 1)]:
+        if sent <= QUIET_BYTES:
+            stretch.append((dt, sent))
+            continue
+        if sum(dt for dt, _ in stretch) >= QUIET_STRETCH_S:
+            total_s += sum(dt for dt, _ in stretch)
+            total_bytes += sum(sent for _, sent in stretch)
+        stretch = []
+    return total_bytes, total_s
+
+
+def measure(link, directory, args, rate, name) -> dict:
+    """Bytes per step, idle rate and the long run's summary of one configuration."""
+    flags = [*model_flags(args), *CONFIGS[name][1]]
+    short = run(link, directory, f"{rate}-{name}-short", flags, LOOP, args.timeout)
+    long = run(link, directory, f"{rate}-{name}-long", flags, LOOP + args.steps, args.timeout)
+    idle_bytes, idle_s = map(sum, zip(quiet(short["samples"]), quiet(long["samples"])))
+    idle_rate = idle_bytes / idle_s if idle_s else None
+    extra_s = long["seconds"] - short["seconds"]
+    difference = long["bytes"] - short["bytes"] - (idle_rate or 0.0) * max(extra_s, 0.0)
+    return {"bytes_per_step": difference / args.steps, "idle_rate": idle_rate,
+            "summary": long["summary"]}
+
+
+def row(rate, label, result, none) -> list:
+    s = result["summary"]
+    per_step = result["bytes_per_step"]
+    model_bytes = none["summary"]["bytes_reduced_per_update"] if none else None  # float32
+    steps_per_s = s["examples_per_sec"] / s["global_batch_size"]
+    busy = per_step * steps_per_s / (2 * netns.rate_bits(rate) / 8)
+    idle = result["idle_rate"]
+    return [rate, label, f"{s['examples_per_sec']:.1f}",
+            f"{s['examples_per_sec'] / none['summary']['examples_per_sec']:.2f}x" if none else "",
+            f"{per_step / 1e6:.3f}", f"{per_step / 2 / model_bytes:.3f}" if model_bytes else "",
+            f"{none['bytes_per_step'] / per_step:.1f}x" if none else "",
+            f"{busy:.2f}", f"{s['accuracy']:.4f}" if s.get("accuracy") is not None else "n/a",
+            f"{idle:.0f}" if idle is not None else "n/a"]
+
+
+def why_skip():
+    why = netns.why_not(PREFIX)
+    if why is None:
+        why = netns.why_no_qdisc(PREFIX, "tbf", "rate", "100mbit", "burst", "65536",
+                                 "latency", "100ms")
+    return why
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"rows to measure, of {','.join(CONFIGS)}")
+    parser.add_argument("--rates", default="1gbit,100mbit", help="tbf rates, e.g. 1gbit,100mbit")
+    parser.add_argument("--steps", type=int, default=24,
+                        help="measured steps: the long run's --train_steps minus the short's "
+                             "(a multiple of 8 keeps local SGD's averages whole)")
+    parser.add_argument("--width", type=int, default=256, help="the transformer's --model_width")
+    parser.add_argument("--delay", default="1ms", help="netem delay per direction, if netem exists")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--quick", action="store_true",
+                        help="100mbit only, 8 measured steps (about 6 minutes)")
+    args = parser.parse_args()
+    if args.quick:
+        args.rates, args.steps = "100mbit", 8
+    names = args.configs.split(",")
+    for name in names:
+        if name not in CONFIGS:
+            parser.error(f"--configs: unknown {name!r}; known: {', '.join(CONFIGS)}")
+    rates = args.rates.split(",")
+    for rate in rates:
+        try:
+            netns.rate_bits(rate)
+        except ValueError as e:
+            parser.error(f"--rates: {e}")
+    why = why_skip()
+    if why:
+        print(f"slow_link.py: skipped: {why}")
+        return
+    print(hardware_header(), flush=True)
+    delay = args.delay or None
+    no_netem = netns.why_no_qdisc(PREFIX, "netem", "delay", "1ms") if delay else None
+    if no_netem:
+        print(f"slow_link.py: no added delay: {no_netem}")
+        delay = None
+    clock = Clock()
+    link = netns.Link(PREFIX, ADDRESSES)
+    rows = []
+    link.delete()   # left-overs of an interrupted run
+    try:
+        link.create()
+        with tempfile.TemporaryDirectory() as directory:
+            for rate in rates:
+                link.shape(rate, delay=delay)
+                none = None
+                for name in names:
+                    label = CONFIGS[name][0]
+                    try:
+                        result = measure(link, directory, args, rate, name)
+                    except RunFailed as failure:
+                        rows.append([rate, label, str(failure)] + [""] * (len(HEADER) - 3))
+                    else:
+                        none = result if name == "none" else none
+                        rows.append(row(rate, label, result, none))
+                    print_row(rows[-1], HEADER)
+    finally:
+        link.delete()
+    model = f"transformer width {args.width}, depth 2, global batch 64, {LOOP} steps per loop"
+    description = (
+        f"Two multi_worker workers in two network namespaces over a veth pair shaped with tbf "
+        f"({model}; {args.steps} measured steps: the difference of a {LOOP}- and a "
+        f"{LOOP + args.steps}-step run, idle traffic subtracted; link delay: "
+        f"{delay or 'none, ' + (no_netem or 'not asked')}). Bytes are the interface counters "
+        "of both ends; `per worker (x model)` is bytes/step / 2 / the float32 gradient bytes; "
+        "ratios are against `none` at the same rate.")
+    finish("slow_link", "Training across a slow link (bench/slow_link.py)", description, rows,
+           HEADER, clock)
+
+
+if __name__ == "__main__":
+    main()
