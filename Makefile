@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tfdist-installed
 
-.PHONY: demo test unit install horovod slurm bench clean
+.PHONY: demo test unit install horovod slurm bench clean iproute2
 
 install: $(STAMP)
 
@@ -40,11 +40,19 @@ slurm:
 	@launch/slurm/local_slurm.sh install
 	@launch/slurm/local_slurm.sh start
 
+# iproute2's `ip` and `tc` (network namespaces, veth links, tbf shaping) for the
+# namespace tests and bench/slow_link.py, from Debian when missing (root);
+# without them those skip, so a failed install only says so.
+iproute2:
+	@command -v ip >/dev/null && command -v tc >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; } || \
+	  echo "iproute2 not installed: the namespace tests and bench/slow_link.py will skip"
+
 # One pytest run, two xdist workers, with the Horovod build (2-4 minutes on
 # a fresh 2-core machine, seconds once cached) beside it; the Horovod tests
 # wait for it. Prints the slowest tests and each phase's time
 # (tests/run_suite.sh). The build's log is $(VENV)/horovod-build.log.
-test: $(STAMP)
+test: $(STAMP) iproute2
 	@tests/run_suite.sh $(VENV)
 
 unit: $(STAMP)
@@ -53,7 +61,7 @@ unit: $(STAMP)
 # Every benchmark, one after the other; each prints its rows as it measures
 # them and stays under ~10 minutes on a slow 2-core CPU. The sections collect
 # in bench/results/report.md. A failed Horovod build only skips its bench.
-bench: $(STAMP)
+bench: $(STAMP) iproute2
 	$(BIN)/python bench/vs_fit.py
 	$(BIN)/python bench/features.py
 	$(BIN)/python bench/scaling.py
