@@ -97,7 +97,7 @@ def test_topk_warm_up_sends_less_in_four_stages_and_loops_end_between_them(caplo
     assert exchange.boundaries() == [2, 4, 6, 8]
     with caplog.at_level(logging.INFO):
         warm = train_from(_config(steps=10, grad_compression="topk", topk_fraction=0.01,
-                                  topk_warmup_steps=8), initial)
+                                  compression_warmup_steps=8), initial)
     logged = [int(m) for m in re.findall(r"step (\d+)/10", caplog.text)]
     assert logged == [2, 4, 6, 8, 10]   # --steps_per_loop=10, yet loops end at the stages
     cold = train_from(_config(steps=10, grad_compression="topk", topk_fraction=0.01), initial)
@@ -275,3 +275,15 @@ def test_accumulation_compresses_once_per_update(train, per_update):
     config = run_config("mirrored", batch=64, accum_steps=4, width=WIDTH, **train)
     adapter, traced = _reductions_in_one_step(config)
     assert traced == per_update * adapter.num_replicas
+
+
+def test_powersgd_warm_up_sums_uncompressed_until_its_step(initial, plain):
+    """--compression_warmup_steps=5 over a 5-step run: plain sums throughout
+    (equal to uncompressed up to the order of a sum: same numbers, same order
+    here); 3 warm-up steps then rank 2 differs (the control)."""
+    warm = train_from(_config(grad_compression="powersgd", powersgd_rank=2,
+                              compression_warmup_steps=5), initial)
+    assert _largest_difference(warm, plain["sgd"]) < 1e-7
+    partly = train_from(_config(grad_compression="powersgd", powersgd_rank=2,
+                                compression_warmup_steps=3), initial)
+    assert _largest_difference(partly, plain["sgd"]) > 1e-5

@@ -270,7 +270,8 @@ class TrainConfig(_Replace):
     grad_compression: str = "none"
     powersgd_rank: int = 4
     topk_fraction: float = 0.01
-    topk_warmup_steps: int = 0          # DGC's density warm-up, over this many updates
+    # powersgd: uncompressed for this many steps; topk: DGC's density warm-up over them.
+    compression_warmup_steps: int = 0
     # Local SGD: every replica steps on its own gradients and the weights are
     # averaged every `sync_every` steps; 0: gradients summed at every step.
     sync_every: int = 0
@@ -368,7 +369,7 @@ def _check_exchange_config(tc) -> None:
     if not (_finite(tc.topk_fraction) and 0 < tc.topk_fraction <= 1):
         raise ConfigError(f"topk_fraction={tc.topk_fraction!r} must be in (0, 1] (the share "
                           "of each matrix's entries sent, e.g. 0.01)")
-    _non_negative("topk_warmup_steps", tc.topk_warmup_steps)
+    _non_negative("compression_warmup_steps", tc.compression_warmup_steps)
     _non_negative("sync_every", tc.sync_every)
     stateful = tc.grad_compression in ("powersgd", "topk")
     if stateful and tc.reduce_bucket_mb:

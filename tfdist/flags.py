@@ -199,10 +199,12 @@ _POWERSGD_RANK = flags.DEFINE_integer(
 _TOPK_FRACTION = flags.DEFINE_float(
     "topk_fraction", _TRAIN_DEFAULTS.topk_fraction, "--grad_compression=topk: the share of "
     "each matrix's entries each replica sends per update, in (0, 1].")
-_TOPK_WARMUP_STEPS = flags.DEFINE_integer(
-    "topk_warmup_steps", _TRAIN_DEFAULTS.topk_warmup_steps, "--grad_compression=topk: over "
-    "this many updates the share sent falls from 25% to --topk_fraction in four stages "
-    "(deep gradient compression's warm-up); 0: none.", lower_bound=0)
+_COMPRESSION_WARMUP_STEPS = flags.DEFINE_integer(
+    "compression_warmup_steps", _TRAIN_DEFAULTS.compression_warmup_steps, "powersgd: "
+    "gradients are summed uncompressed for the first N steps (PyTorch's "
+    "start_powerSGD_iter); topk: over the first N steps the share sent falls from 25% to "
+    "--topk_fraction in four stages (deep gradient compression's warm-up). 0: none.",
+    lower_bound=0)
 _SYNC_EVERY = flags.DEFINE_integer(
     "sync_every", _TRAIN_DEFAULTS.sync_every, "Local SGD: each replica steps its own "
     "optimizer on its own gradients, and the weights are averaged every N steps "
@@ -340,7 +342,7 @@ HELP_GROUPS = {title: tuple(holder.name for holder in holders) for title, holder
         _PRECISION, _LOSS_SCALE_GROWTH_STEPS, _JIT_COMPILE, _RECOMPUTE,
         _REDUCE_BUCKET_MB, _STEPS_PER_LOOP, _PROFILE_STEPS, _PROFILE_ALL_RANKS),
     "slow network": (
-        _GRAD_COMPRESSION, _POWERSGD_RANK, _TOPK_FRACTION, _TOPK_WARMUP_STEPS, _SYNC_EVERY),
+        _GRAD_COMPRESSION, _POWERSGD_RANK, _TOPK_FRACTION, _COMPRESSION_WARMUP_STEPS, _SYNC_EVERY),
     "faults": (
         _COLLECTIVE_TIMEOUT_S, _PREEMPTION_GRACE_S, _ON_NONFINITE, _MAX_ROLLBACKS, _ELASTIC,
         _ELASTIC_COMMIT_EVERY),
@@ -411,7 +413,7 @@ def run_config() -> config_lib.RunConfig:
                 epochs=_EPOCHS.value, steps_per_loop=_STEPS_PER_LOOP.value,
                 accum_steps=accum_steps, grad_compression=_GRAD_COMPRESSION.value,
                 powersgd_rank=_POWERSGD_RANK.value, topk_fraction=_TOPK_FRACTION.value,
-                topk_warmup_steps=_TOPK_WARMUP_STEPS.value, sync_every=_SYNC_EVERY.value,
+                compression_warmup_steps=_COMPRESSION_WARMUP_STEPS.value, sync_every=_SYNC_EVERY.value,
                 precision=_PRECISION.value,
                 loss_scale_growth_steps=_LOSS_SCALE_GROWTH_STEPS.value,
                 eval_every=_EVAL_EVERY.value,

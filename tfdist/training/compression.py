@@ -167,13 +167,19 @@ class PowerSGD(StatefulExchange):
     PowerSGD's error of the mean, in the trainer's units of a sum). Q is kept
     for the next update (warm start). At rank = min(n, m) P^ P^T is the
     projection onto the column space of sum M, so the sum is exact.
+
+    With `warmup_updates` W, the first W global steps sum the gradients
+    uncompressed (PyTorch's `start_powerSGD_iter`: low-rank updates from the
+    first step slow early training down); a loop ends at step W, and each
+    phase is its own trace.
     """
 
     name = "powersgd"
 
-    def __init__(self, variables, rank: int, seed: int):
+    def __init__(self, variables, rank: int, seed: int, *, warmup_updates: int = 0):
         super().__init__(variables)
-        self.rank, self.seed = rank, seed
+        self.rank, self.seed, self.warmup_updates = rank, seed, warmup_updates
+        self._compressing = not warmup_updates
         for i in self.compressed:
             n, m = _matrix_shape(self.variables[i])
             if rank > min(n, m):
@@ -186,6 +192,13 @@ class PowerSGD(StatefulExchange):
     def _compressed_bytes(self) -> int:
         return sum(sum(_matrix_shape(self.variables[i])) * self.rank *
                    tf.as_dtype(self.variables[i].dtype).size for i in self.compressed)
+
+    def boundaries(self) -> list:
+        return [self.warmup_updates] if self.warmup_updates else []
+
+    def loop_key(self, step: int):
+        self._compressing = step >= self.warmup_updates
+        return self._compressing
 
     def build(self, state) -> None:
         self.errors, self.qs = {}, {}
@@ -204,6 +217,9 @@ class PowerSGD(StatefulExchange):
 
     def exchange(self, grads, extra, counters, *, replicas, reduce, gather):
         del gather
+        if not self._compressing:   # the warm-up: one plain sum
+            summed = reduce(list(grads) + list(extra) + [counters])
+            return summed[:len(grads)], summed[len(grads):-1], summed[-1]
         matrices = {i: tf.reshape(grads[i], _matrix_shape(self.variables[i])) +
                     self.errors[i].read_value() for i in self.compressed}
         qs = {i: self.qs[i].read_value() for i in self.compressed}
@@ -376,9 +392,10 @@ def create(train_config, variables, optimizer):
     """The exchange `train_config.grad_compression` names, for `variables`."""
     tc = train_config
     if tc.grad_compression == "powersgd":
-        return PowerSGD(variables, tc.powersgd_rank, tc.seed)
+        return PowerSGD(variables, tc.powersgd_rank, tc.seed,
+                        warmup_updates=tc.compression_warmup_steps)
     if tc.grad_compression == "topk":
-        return TopK(variables, tc.topk_fraction, warmup_updates=tc.topk_warmup_steps,
+        return TopK(variables, tc.topk_fraction, warmup_updates=tc.compression_warmup_steps,
                     momentum=_MOVED_MOMENTUM.get(_inner(optimizer), 0.0))
     return Cast(tc.grad_compression)
 
