@@ -11,7 +11,7 @@ at least 64 KiB). A `--delay` is added with `netem` where the kernel has it;
 where `tc` refuses netem, the bench says why in one line and runs without
 delay. One `tfdist-train --strategy=multi_worker --worker_hosts=... --task_index=i`
 worker runs in each namespace, training the transformer on tfdist_tokens
-(--model_width=--width, depth 2, global batch 64, learning rate 0.003,
+(--model_width=--width, depth 2, global batch --batch (64), learning rate 0.003,
 8 steps per loop, XLA as --jit_compile=auto picks), for each configuration:
 
 - none: gradients all-reduced in float32;
@@ -52,6 +52,16 @@ What each row reports, for each rate:
   number of examples for every row). With the default steps that is early
   training: a sanity check that a row still learns, not a convergence study.
 
+Then the accuracy phase (`--accuracy_steps`, default 400; 0 skips it): each
+configuration trains that many steps once more on the unshaped link (the
+accuracy of an exchange does not depend on the link's rate), evaluated every
+eighth of them; `powersgd` and `topk` with a compression warm-up over the
+first quarter (`--compression_warmup_steps`: PowerSGD sums uncompressed first,
+as PyTorch's `start_powerSGD_iter`; top-k's density falls from 25% in DGC's
+four stages). Its table gives each configuration's final test accuracy, the
+difference to `none` in percentage points, and the first evaluation at which
+it came within 0.5 pp of `none`'s final accuracy (the issue's parity).
+
 The default width 256 (1.63 M parameters, 6.5 MB of float32 gradients,
 13.1 MB over the link per uncompressed step) makes the uncompressed run
 link-bound at 100mbit, measured: the link carries data for 0.7 of its step
@@ -73,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -83,7 +94,8 @@ sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))
 
 import netns  # noqa: E402
-from common import Clock, finish, hardware_header, print_row  # noqa: E402
+from common import (Clock, finish, hardware_header, markdown_table, print_row,  # noqa: E402
+                    table)
 
 CONFIGS = {   # --configs name: (row label, flags)
     "none": ("none", []),
@@ -101,6 +113,13 @@ QUIET_BYTES = 4000        # a sample interval with at most this much is quiet
 QUIET_STRETCH_S = 2.0     # idle: quiet stretches at least this long
 HEADER = ["rate", "config", "ex/s", "speed-up", "MB/step", "per worker (x model)",
           "bytes reduction", "link busy", "test acc", "idle B/s"]
+# The accuracy phase: each configuration as the papers run it, with a
+# compression warm-up over the first quarter of the steps (PowerSGD: summed
+# uncompressed, PyTorch's start_powerSGD_iter; top-k: DGC's density warm-up).
+WARMED = ("powersgd", "topk")
+ACCURACY_HEADER = ["config", "steps", "test acc", "vs none (pp)", "within 0.5 pp of none's "
+                   "final from step", "evaluations (step: acc)"]
+_EVALUATION = re.compile(r"\] step (\d+)/\d+ .*test_accuracy=([0-9.]+)")
 
 
 class RunFailed(Exception):
@@ -109,7 +128,7 @@ class RunFailed(Exception):
 
 def model_flags(args) -> list:
     return ["--model=transformer", "--dataset=tfdist_tokens", f"--model_width={args.width}",
-            "--model_depth=2", "--global_batch_size=64", "--learning_rate=0.003",
+            "--model_depth=2", f"--global_batch_size={args.batch}", "--learning_rate=0.003",
             f"--steps_per_loop={LOOP}", "--collective_timeout_s=120"]
 
 
@@ -190,6 +209,48 @@ def row(rate, label, result, none) -> list:
             f"{idle:.0f}" if idle is not None else "n/a"]
 
 
+def accuracy_curve(link, directory, args, name) -> list:
+    """[(step, test accuracy)] of one run of --accuracy_steps steps on the
+    unshaped link, evaluated every eighth of them (the chief's log lines)."""
+    steps = args.accuracy_steps
+    flags = [*model_flags(args), *CONFIGS[name][1], f"--eval_every={steps // 8}",
+             f"--train_steps={steps}"]
+    if name in WARMED:
+        flags.append(f"--compression_warmup_steps={steps // 4}")
+    workers = netns.Workers(link, directory, [*flags, f"--model_dir={directory}/acc-{name}"],
+                            port=PORT)
+    workers.start(f"accuracy-{name}")
+    try:
+        codes = workers.wait(args.timeout * max(1, steps // 100))
+    finally:
+        workers.kill()
+    if codes != [0, 0]:
+        raise RunFailed(f"fails (exit {codes}): {workers.tails()[-300:]}")
+    curve = {}
+    for step, accuracy in _EVALUATION.findall(workers.text(0, "err")):
+        curve[int(step)] = float(accuracy)
+    return sorted(curve.items())
+
+
+def accuracy_rows(curves: dict) -> list:
+    """One row per configuration: its final accuracy, the difference to
+    none's, and the first evaluation within 0.5 pp of none's final accuracy."""
+    target = curves["none"][-1][1] if curves.get("none") else None
+    rows = []
+    for name, curve in curves.items():
+        if not curve:
+            rows.append([CONFIGS[name][0], "", "n/a", "", "", ""])
+            continue
+        step, final = curve[-1]
+        reached = next((s for s, a in curve if target is not None and a >= target - 0.005),
+                       None)
+        rows.append([CONFIGS[name][0], step, f"{final:.4f}",
+                     f"{100 * (final - target):+.1f}" if target is not None else "",
+                     reached if reached is not None else f"not within {step}",
+                     " ".join(f"{s}:{a:.3f}" for s, a in curve)])
+    return rows
+
+
 def why_skip():
     why = netns.why_not(PREFIX)
     if why is None:
@@ -207,13 +268,21 @@ def main() -> None:
                         help="measured steps: the long run's --train_steps minus the short's "
                              "(a multiple of 8 keeps local SGD's averages whole)")
     parser.add_argument("--width", type=int, default=256, help="the transformer's --model_width")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="--global_batch_size (smaller: less compute per step for the same "
+                             "bytes, a more link-bound run)")
     parser.add_argument("--delay", default="1ms", help="netem delay per direction, if netem exists")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--accuracy_steps", type=int, default=400,
+                        help="then train each configuration this many steps on the unshaped "
+                             "link (0: skip) and report test accuracy every eighth of them "
+                             "(powersgd and topk with a compression warm-up over the first "
+                             "quarter)")
     parser.add_argument("--quick", action="store_true",
-                        help="100mbit only, 8 measured steps (about 6 minutes)")
+                        help="100mbit only, 8 measured steps, no accuracy phase (about 6 minutes)")
     args = parser.parse_args()
     if args.quick:
-        args.rates, args.steps = "100mbit", 8
+        args.rates, args.steps, args.accuracy_steps = "100mbit", 8, 0
     names = args.configs.split(",")
     for name in names:
         if name not in CONFIGS:
@@ -254,9 +323,20 @@ def main() -> None:
                         none = result if name == "none" else none
                         rows.append(row(rate, label, result, none))
                     print_row(rows[-1], HEADER)
+            curves = {}
+            if args.accuracy_steps:
+                link.unshape()
+                for name in names:
+                    try:
+                        curves[name] = accuracy_curve(link, directory, args, name)
+                    except RunFailed as failure:
+                        print(f"slow_link.py: accuracy of {name}: {failure}")
+                        curves[name] = []
+                    print(f"accuracy {name}: {curves[name]}", flush=True)
     finally:
         link.delete()
-    model = f"transformer width {args.width}, depth 2, global batch 64, {LOOP} steps per loop"
+    model = (f"transformer width {args.width}, depth 2, global batch {args.batch}, {LOOP} steps "
+             "per loop")
     description = (
         f"Two multi_worker workers in two network namespaces over a veth pair shaped with tbf "
         f"({model}; {args.steps} measured steps: the difference of a {LOOP}- and a "
@@ -264,6 +344,13 @@ def main() -> None:
         f"{delay or 'none, ' + (no_netem or 'not asked')}). Bytes are the interface counters "
         "of both ends; `per worker (x model)` is bytes/step / 2 / the float32 gradient bytes; "
         "ratios are against `none` at the same rate.")
+    if args.accuracy_steps:
+        accuracy = accuracy_rows(curves)
+        print(table(accuracy, ACCURACY_HEADER))
+        description += (
+            f"\n\nAccuracy ({args.accuracy_steps} steps of the same configurations on the "
+            f"unshaped link; powersgd and topk with --compression_warmup_steps="
+            f"{args.accuracy_steps // 4}):\n\n" + markdown_table(accuracy, ACCURACY_HEADER))
     finish("slow_link", "Training across a slow link (bench/slow_link.py)", description, rows,
            HEADER, clock)
 

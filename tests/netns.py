@@ -129,6 +129,11 @@ class Link:
                "delay", delay)
             tc("-n", ns, "qdisc", "add", "dev", end, "parent", "1:1", "handle", "10:", *tbf)
 
+    def unshape(self):
+        """Back to the veth's own speed: the root qdiscs removed."""
+        for ns, end in zip(self.namespaces, self.ends):
+            tc("-n", ns, "qdisc", "del", "dev", end, "root", check=False)
+
     def qdiscs(self, index) -> list:
         """`tc -s qdisc show` of end `index`: one dict per qdisc (kind,
         options, bytes and packets sent, drops, ...)."""
