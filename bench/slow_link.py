@@ -226,10 +226,24 @@ def accuracy_curve(link, directory, args, name) -> list:
         workers.kill()
     if codes != [0, 0]:
         raise RunFailed(f"fails (exit {codes}): {workers.tails()[-300:]}")
-    curve = {}
-    for step, accuracy in _EVALUATION.findall(workers.text(0, "err")):
-        curve[int(step)] = float(accuracy)
-    return sorted(curve.items())
+    logged = sorted({int(step): float(accuracy) for step, accuracy
+                     in _EVALUATION.findall(workers.text(0, "err"))}.items())
+    return evaluations(logged, steps // 8)
+
+
+def evaluations(logged: list, every: int) -> list:
+    """The (step, test accuracy) of each evaluation among a run's progress
+    lines `logged` (every loop's line repeats the last evaluation): the first
+    line at or after each multiple of `every` (local SGD evaluates at the
+    first average at or after it), and the last."""
+    found = {}
+    for multiple in range(every, logged[-1][0] + 1, every) if logged else ():
+        first = next(((s, a) for s, a in logged if s >= multiple), None)
+        if first:
+            found[first[0]] = first[1]
+    if logged:
+        found[logged[-1][0]] = logged[-1][1]
+    return sorted(found.items())
 
 
 def accuracy_rows(curves: dict) -> list:
