@@ -59,7 +59,8 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests -m 'not integration and not slow'
 
 # Every benchmark, one after the other; each prints its rows as it measures
-# them and stays under ~10 minutes on a slow 2-core CPU. The sections collect
+# them and stays under ~10 minutes on a slow 2-core CPU (slow_link, ~19: two
+# runs per row and rate, then a 400-step accuracy run per configuration). The sections collect
 # in bench/results/report.md. A failed Horovod build only skips its bench.
 bench: $(STAMP) iproute2
 	$(BIN)/python bench/vs_fit.py
@@ -69,6 +70,7 @@ bench: $(STAMP) iproute2
 	$(BIN)/python bench/horovod_vs_multi_worker.py
 	$(BIN)/python bench/dtensor.py
 	$(BIN)/python bench/parameter_server.py
+	$(BIN)/python bench/slow_link.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
