@@ -82,7 +82,8 @@ CLUSTER_RUNS = {
     "topk_every_entry": {"grad_compression": "topk", "topk_fraction": 1.0},
     "powersgd": {"grad_compression": "powersgd", "powersgd_rank": 2},
     # DGC's warm-up: the count sent changes at steps 2, 4, 6 and 8.
-    "topk_warmup": {"grad_compression": "topk", "topk_fraction": 0.01, "compression_warmup_steps": 8},
+    "topk_warmup": {"grad_compression": "topk", "topk_fraction": 0.01,
+                    "compression_warmup_steps": 8},
     "local_every_step": {"sync_every": 1},
     "local_every_5": {"sync_every": 5},
     # check_exact_resume's uninterrupted 12 steps and its first 8 (the resumed
