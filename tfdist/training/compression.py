@@ -38,7 +38,6 @@ import tensorflow as tf
 from tfdist.errors import UsageError
 
 CASTS = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
-NAMES = (*CASTS, "powersgd", "topk")
 STATEFUL = ("powersgd", "topk")
 
 # Deep gradient compression's warm-up: the density falls exponentially in
@@ -84,10 +83,6 @@ class Cast:
             size = (self.dtype or dtype).size if dtype.is_floating else dtype.size
             total += _elements(v) * size
         return total
-
-
-# Kept for callers of the original name.
-GradientCompression = Cast
 
 
 def _elements(variable) -> int:
