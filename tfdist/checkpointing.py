@@ -297,8 +297,8 @@ class ReplicaState:
         path = self._path(step)
         if not tf.io.gfile.exists(path):
             logging.warning("no per-replica state was saved with step %d here (%s): error "
-                            "feedback and local optimizer state start afresh", step,
-                            self.directory)
+                            "feedback starts from zero, local SGD's optimizer state from the "
+                            "chief's", step, self.directory)
             return False
         with tf.io.gfile.GFile(path, "rb") as f:
             arrays = np.load(io.BytesIO(f.read()))
