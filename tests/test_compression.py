@@ -234,6 +234,7 @@ def test_preemption_between_averages_saves_at_the_next_one(tmp_path, initial):
     import signal
     import threading
     import time
+    from tfdist.training import interrupts
     from tfdist.training.interrupts import Preempted
 
     def config(directory, steps):
@@ -262,6 +263,13 @@ def test_preemption_between_averages_saves_at_the_next_one(tmp_path, initial):
     assert glob.glob(str(tmp_path / "run" / "checkpoints" / "replicas" / "*" / "state-4.npz"))
     resumed = train_from(config(tmp_path / "run", 12), initial)
     assert _largest_difference(resumed, straight) < 1e-7
+    # The save ended in time: its deadline (--preemption_grace_s after the
+    # signal) is called off, or it would end this process, which goes on (a
+    # Python caller of tfdist.train that catches Preempted).
+    for thread in threading.enumerate():
+        if thread.name == interrupts.DEADLINE_THREAD:
+            thread.join(timeout=5)
+            assert not thread.is_alive()
 
 
 @pytest.mark.parametrize("train, per_update", [

@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 # 128 + SIGTERM: what schedulers read as "terminated by SIGTERM"; tfdist exits
 # with it after saving (tfdist-launch --max_restarts and a re-run resume).
@@ -40,6 +39,9 @@ class Preempted(Exception):
         super().__init__(f"preempted (SIGTERM) at step {step}: {where}; run again to resume")
 
 
+DEADLINE_THREAD = "tfdist-preemption-deadline"
+
+
 class StopSignals:
     """SIGINT/SIGTERM as flags while training (a context manager); only in the
     main thread (elsewhere signals keep their handlers)."""
@@ -50,6 +52,7 @@ class StopSignals:
         self.interrupted = False
         self.preempted = False
         self._previous: dict = {}
+        self._stopped = threading.Event()   # the save ended: no deadline any more
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -57,10 +60,15 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if exc_type is None or (isinstance(exc_type, type) and issubclass(exc_type, Preempted)):
+            # Training stopped in time (the save is done): the process goes on
+            # or exits by itself. A Python program that catches `Preempted`
+            # must not be killed grace_s later by the deadline below.
+            self._stopped.set()
         return False
 
     def _handle(self, signum, frame):
@@ -72,11 +80,13 @@ class StopSignals:
             return
         if not self.preempted:
             self.preempted = True
-            threading.Thread(target=self._deadline, daemon=True).start()
+            threading.Thread(target=self._deadline, daemon=True,
+                             name=DEADLINE_THREAD).start()
 
     def _deadline(self):
         """Exit with PREEMPTED_EXIT if the save has not ended the process in time."""
-        time.sleep(self.grace_s)
+        if self._stopped.wait(self.grace_s):
+            return
         with contextlib.suppress(Exception):
             sys.stderr.write(f"tfdist: {self.describe()}: preempted (SIGTERM) and not stopped "
                              f"within --preemption_grace_s={self.grace_s:g}s; exiting without "
