@@ -38,6 +38,16 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))
 
 
+@pytest.fixture(scope="session")
+def prepared_data_dir(data_dir):
+    """The session's data_dir with the bundled dataset generated, once, in the
+    test process: the workers a test starts then only read it."""
+    from tfdist.config import DataConfig
+    from tfdist.data import tfds_inputs
+    tfds_inputs.load(DataConfig(data_dir=data_dir))
+    return data_dir
+
+
 def run_cli(args, *, timeout=300, env=None, cwd=REPO):
     """Run `tfdist-train ARGS` in a fresh process; return CompletedProcess."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}

@@ -38,8 +38,6 @@ import time
 
 import pytest
 
-from tfdist.config import DataConfig
-from tfdist.data import tfds_inputs
 
 import netns
 
@@ -66,14 +64,6 @@ def link():
         yield made
     finally:
         made.delete()
-
-
-@pytest.fixture(scope="module")
-def prepared_data_dir(data_dir):
-    """The session's data_dir with the bundled dataset generated, once, here:
-    both workers then only read it."""
-    tfds_inputs.load(DataConfig(data_dir=data_dir))
-    return data_dir
 
 
 def _run(link, directory, data_dir, name):

@@ -36,6 +36,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import UsageError
+from tfdist.training import optimizers
 
 CASTS = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
 STATEFUL = ("powersgd", "topk")
@@ -363,15 +364,11 @@ class TopK(StatefulExchange):
 _MOVED_MOMENTUM: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _inner(optimizer):
-    return getattr(optimizer, "inner_optimizer", optimizer)   # a LossScaleOptimizer's
-
-
 def move_momentum(name: str, optimizer) -> Optional[str]:
     """Before `optimizer` is built, under `--grad_compression=topk`: a plain
     momentum SGD's momentum moves into the exchange (momentum correction);
     its `momentum` becomes 0. Returns a line for the log, or None."""
-    inner = _inner(optimizer)
+    inner = optimizers.inner(optimizer)
     if name != "topk" or not isinstance(inner, keras.optimizers.SGD) or not inner.momentum:
         return None
     if inner.nesterov:
@@ -391,7 +388,7 @@ def create(train_config, variables, optimizer):
                         warmup_updates=tc.compression_warmup_steps)
     if tc.grad_compression == "topk":
         return TopK(variables, tc.topk_fraction, warmup_updates=tc.compression_warmup_steps,
-                    momentum=_MOVED_MOMENTUM.get(_inner(optimizer), 0.0))
+                    momentum=_MOVED_MOMENTUM.get(optimizers.inner(optimizer), 0.0))
     return Cast(tc.grad_compression)
 
 

@@ -39,9 +39,13 @@ def create(config: OptimizerConfig, *, global_batch_size: int,
     return without_builtin_reduction(optimizer)
 
 
+def inner(optimizer):
+    """The optimizer that steps (a LossScaleOptimizer's inner one)."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
 def current_learning_rate(optimizer) -> float:
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return float(tf.convert_to_tensor(inner.learning_rate).numpy())
+    return float(tf.convert_to_tensor(inner(optimizer).learning_rate).numpy())
 
 
 def without_builtin_reduction(optimizer: keras.optimizers.Optimizer):

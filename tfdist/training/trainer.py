@@ -557,10 +557,7 @@ class Trainer:
         `measure_agreement` (a Python bool), the agreement, which adds a
         collective: collectives cannot sit in a `tf.cond` in replica context.
         `key` (the exchange's `loop_key`) only makes a trace per value."""
-        def step(i, tally):
-            out = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator))
-            return i + 1, nonfinite.tally_add(tally, out["counters"], i)
-
+        step = self._loop_step(iterator)
         # Steps are sequential by nature (each reads the last update); also say
         # so to the while loop, or it may start the next step's collectives
         # early, which engines that name them (Horovod) refuse.
@@ -569,6 +566,22 @@ class Trainer:
                                  parallel_iterations=1)
         last = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator), True,
                                  measure_agreement)
+        result = self._end_loop(tally, last, num_steps)
+        if measure_agreement:
+            result["agreement"] = last["agreement"]
+        return result
+
+    def _loop_step(self, iterator):
+        """The while-loop body of one replica step: (i, tally) -> (i + 1, tally)."""
+        def step(i, tally):
+            out = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator))
+            return i + 1, nonfinite.tally_add(tally, out["counters"], i)
+        return step
+
+    def _end_loop(self, tally, last, num_steps) -> dict:
+        """After a loop's steps (`last`: its last step's result): the tally
+        completed, BatchNorm statistics averaged over the copies, the global
+        step advanced; `LoopTotals.fields` but the agreement."""
         tally = nonfinite.tally_add(tally, last["counters"], num_steps - 1)
         if self.strategy.step_copies > 1 and self._synced_state():
             summed = self.strategy.run(self._replica_sum_state)
@@ -576,11 +589,8 @@ class Trainer:
                 variable.assign(total / self.strategy.step_copies)
         self.step.assign_add(tf.cast(num_steps, tf.int64))
         counters, bad, first_bad = tally
-        result = {"counters": counters, "grad_norm": last["grad_norm"], "nonfinite": bad,
-                  "first_nonfinite": first_bad}
-        if measure_agreement:
-            result["agreement"] = last["agreement"]
-        return result
+        return {"counters": counters, "grad_norm": last["grad_norm"], "nonfinite": bad,
+                "first_nonfinite": first_bad}
 
     def _local_sgd_loop_fn(self, iterator, num_steps, measure_agreement: bool,
                            key=None) -> dict:
@@ -589,10 +599,7 @@ class Trainer:
         controller ends loops only where an average is due)."""
         del measure_agreement, key
         every = self.sync_every
-
-        def step(i, tally):
-            out = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator))
-            return i + 1, nonfinite.tally_add(tally, out["counters"], i)
+        step = self._loop_step(iterator)
 
         def group(i, tally):
             end = tf.minimum(i + every, num_steps)
@@ -610,16 +617,8 @@ class Trainer:
         _, tally = tf.while_loop(lambda j, _: j < num_steps - 1, step, (i, tally),
                                  parallel_iterations=1)
         last = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator), True)
-        tally = nonfinite.tally_add(tally, last["counters"], num_steps - 1)
         self._average_weights()
-        if self.strategy.step_copies > 1 and self._synced_state():
-            summed = self.strategy.run(self._replica_sum_state)
-            for variable, total in zip(self._synced_state(), summed):
-                variable.assign(total / self.strategy.step_copies)
-        self.step.assign_add(tf.cast(num_steps, tf.int64))
-        counters, bad, first_bad = tally
-        return {"counters": counters, "grad_norm": last["grad_norm"], "nonfinite": bad,
-                "first_nonfinite": first_bad}
+        return self._end_loop(tally, last, num_steps)
 
     def _eval_loop_fn(self, iterator, num_steps):
         def step(i, totals):
