@@ -26,6 +26,7 @@ the link are named after this process and deleted however the tests end.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -35,9 +36,6 @@ import sys
 import time
 
 import pytest
-
-from tfdist.config import DataConfig
-from tfdist.data import tfds_inputs
 
 import netns
 from conftest import BIN, REPO
@@ -61,6 +59,7 @@ CONTROL = "multi_worker"   # the engine of the one --network=host cluster
 CLUSTER_LINE = re.compile(r"^tfdist-launch: (?:warning: )?cluster: (.*?); ", re.M)
 START_S = 200   # four clusters' start-up and training on a loaded 2-core machine, with a margin
 PRIVATE_PORTS = 3   # the most tasks of a cluster (parameter_server: chief, worker, ps)
+CONNECT_S = 3   # a connect that neither succeeds nor is refused in this long: unreachable
 
 
 _ip = netns.ip
@@ -88,14 +87,19 @@ class Outside:
 
     def connect(self, ports):
         """{port: "connected" or why not} for a TCP connect from the outside to
-        this host's HOST_END:port, each port at once."""
-        code = ("import json, socket, sys\nfound = {}\nfor port in sys.argv[2:]:\n"
-                "    try:\n        socket.create_connection((sys.argv[1], int(port)), timeout=3)"
-                ".close()\n        found[port] = 'connected'\n"
-                "    except OSError as e:\n        found[port] = e.strerror or str(e)\n"
-                "print(json.dumps(found))")
+        this host's HOST_END:port, all ports at once (a refused port answers
+        at once; an unreachable one takes CONNECT_S)."""
+        code = ("import concurrent.futures, json, socket, sys\n"
+                "def reach(port):\n"
+                "    try:\n"
+                "        socket.create_connection((sys.argv[1], port), timeout=float(sys.argv[2]))"
+                ".close()\n        return 'connected'\n"
+                "    except OSError as e:\n        return e.strerror or str(e)\n"
+                "ports = [int(p) for p in sys.argv[3:]]\n"
+                "with concurrent.futures.ThreadPoolExecutor(len(ports)) as pool:\n"
+                "    print(json.dumps(dict(zip(ports, pool.map(reach, ports)))))")
         result = subprocess.run(["ip", "netns", "exec", self.namespace, sys.executable, "-I",
-                                 "-c", code, HOST_END, *map(str, ports)],
+                                 "-c", code, HOST_END, str(CONNECT_S), *map(str, ports)],
                                 capture_output=True, text=True, timeout=60, check=True)
         return {int(port): why for port, why in json.loads(result.stdout).items()}
 
@@ -207,14 +211,6 @@ def outside():
 
 
 @pytest.fixture(scope="module")
-def prepared_data_dir(data_dir):
-    """The session's data_dir with the bundled dataset generated, once, here:
-    the clusters only read it (they have no network in a private namespace)."""
-    tfds_inputs.load(DataConfig(data_dir=data_dir))
-    return data_dir
-
-
-@pytest.fixture(scope="module")
 def runs(outside, prepared_data_dir, tmp_path_factory):
     """Every engine's private cluster and the host control, started at once and each probed
     as soon as all its servers listen: {(engine, network): (Cluster, probe, exit status)}.
@@ -228,15 +224,13 @@ def runs(outside, prepared_data_dir, tmp_path_factory):
                                                   launcher=[f"--port_base={base}"])
         clusters[CONTROL, "host"] = Cluster(CONTROL, "host", directory, prepared_data_dir)
         deadline = time.monotonic() + START_S
-        probes = {}
-        while len(probes) < len(clusters):
-            for key, cluster in clusters.items():
-                if key not in probes and (probe := cluster.probe_when_listening(outside)):
-                    probes[key] = probe
-            assert time.monotonic() < deadline, "not every cluster listened within " \
-                f"{START_S}s: {sorted(set(clusters) - set(probes))}\n" + \
-                "\n".join(c.tail() for c in clusters.values())
-            time.sleep(0.05)
+        # One watcher per cluster, so a slow probe of one (a loaded machine's
+        # `ip netns exec`, or CONNECT_S of an unreachable port) cannot make
+        # another's whole listening window pass unseen (a CI run saw that).
+        with concurrent.futures.ThreadPoolExecutor(len(clusters)) as pool:
+            watched = {key: pool.submit(_probe_when_all_listen, cluster, outside, deadline)
+                       for key, cluster in clusters.items()}
+            probes = {key: future.result() for key, future in watched.items()}
         codes = {key: cluster.finish(max(1.0, deadline - time.monotonic()))
                  for key, cluster in clusters.items()}
     finally:
@@ -245,6 +239,15 @@ def runs(outside, prepared_data_dir, tmp_path_factory):
         for sock in held:
             sock.close()
     return {key: (cluster, probes[key], codes[key]) for key, cluster in clusters.items()}, base
+
+
+def _probe_when_all_listen(cluster, outside, deadline):
+    """Poll `cluster` until every port listens, then probe it (see Cluster)."""
+    while not (probe := cluster.probe_when_listening(outside)):
+        assert time.monotonic() < deadline, \
+            f"not every port listened within {START_S}s\n{cluster.tail()}"
+        time.sleep(0.05)
+    return probe
 
 
 def _assert_announced(cluster, ports, reach):
