@@ -145,6 +145,18 @@ def test_jit_compile_with_accumulation_and_recompute():
     assert_weights_close(on.model.get_weights(), off.model.get_weights(), rtol=0, atol=1e-4)
 
 
+def test_einsum_share_tells_attention_from_dense_layers():
+    """The shares auto reads, from the FLOP counts of real models."""
+    from tfdist.observe import flops
+    transformer = models.build(tfdist.ModelConfig(name="transformer", width=16, depth=1,
+                                                  num_heads=2), TOKEN_SPEC)
+    mlp = models.build(tfdist.ModelConfig(name="mlp", width=16, depth=1), IMAGE_SPEC)
+    by_op = flops.try_forward_flops_by_op(transformer)
+    assert flops.einsum_share(by_op) >= xla.EINSUM_SHARE, by_op
+    assert flops.einsum_share(flops.try_forward_flops_by_op(mlp)) == 0.0
+    assert flops.einsum_share({}) == 0.0
+
+
 def test_auto_picks_by_precision_and_isa(monkeypatch):
     from tfdist.observe import hardware
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AMX")
@@ -158,6 +170,37 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     assert xla.auto_level("mixed_bfloat16") == xla.STEP
     assert xla.auto_level("mixed_bfloat16", whole_step=False) == xla.STEP
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.STEP
+    # AVX512-BF16 without AMX: oneDNN's native bf16 kernels, not XLA; float32 as before.
+    monkeypatch.setattr(hardware, "bf16_support", lambda: "AVX-512")
+    assert xla.auto_level("mixed_bfloat16") == xla.OFF   # an mlp
+    assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OFF   # a cnn
+    assert xla.auto_level("mixed_bfloat16", einsum_share=0.38) == xla.STEP   # a transformer
+    assert xla.auto_level("float32", einsum_share=0.38) == xla.STEP
+    assert xla.auto_level("mixed_float16") == xla.STEP   # float16 is emulated everywhere
+    assert xla.auto_level("float32") == xla.STEP
+    # Replicas sharing one CPU: plain graphs, whatever the precision or CPU.
+    for support in ("AMX", "AVX-512", "emulated"):
+        monkeypatch.setattr(hardware, "bf16_support", lambda: support)
+        for precision in ("float32", "mixed_bfloat16"):
+            assert xla.auto_level(precision, shared_cpu=True) == xla.OFF
+            assert xla.auto_level(precision, convolution_share=0.9, shared_cpu=True) == xla.OFF
+
+
+def test_auto_resolves_off_for_mirrored_over_virtual_cpus(monkeypatch):
+    """The strategy's shared-CPU replicas reach the rule; the control, the same
+    strategy with one device, keeps XLA."""
+    from tfdist.observe import hardware
+    monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")
+
+    class Engine:
+        supports_xla, xla_whole_step = True, False
+
+        def __init__(self, shared):
+            self.shared_cpu_replicas = shared
+
+    assert xla.resolve("auto", "float32", Engine(2)) == xla.OFF
+    assert xla.resolve("auto", "float32", Engine(0)) == xla.STEP
+    assert xla.resolve("on", "float32", Engine(2)) == xla.STEP   # asked for: given
 
 
 def test_slow_choices_are_named(monkeypatch):
@@ -169,6 +212,27 @@ def test_slow_choices_are_named(monkeypatch):
     assert "emulated" in warnings[0] and "float32" in warnings[0]
     assert "--jit_compile=auto" in warnings[1]
     assert api.slow_choice_warnings(run_config(), xla.STEP) == []
+
+
+def test_mirrored_over_virtual_cpus_is_steered_to_default(monkeypatch):
+    """Replicas sharing one CPU get a line pointing to --strategy=default, and
+    --jit_compile=on there is named slower than auto's `off`; the control, one
+    device, gets neither."""
+    from tfdist.observe import hardware
+    monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")
+
+    class Engine:
+        supports_xla, xla_whole_step = True, False
+
+        def __init__(self, shared):
+            self.shared_cpu_replicas = shared
+
+    shared = api.slow_choice_warnings(run_config(jit_compile="on"), xla.STEP, Engine(2))
+    assert len(shared) == 2, shared
+    assert "2 replicas share this CPU" in shared[0] and "--strategy=default" in shared[0]
+    assert "XLA (--jit_compile=auto): off is faster" in shared[1]
+    assert api.slow_choice_warnings(run_config(jit_compile="on"), xla.STEP, Engine(0)) == []
+    assert len(api.slow_choice_warnings(run_config(), xla.OFF, Engine(2))) == 1
 
 
 # -- per-rank log lines (2 real workers) ----------------------------------------

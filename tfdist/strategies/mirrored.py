@@ -26,4 +26,5 @@ class MirroredStrategy(TFDistributeStrategy):
             # first's cached collectives. Reducing on one device has no keys, and
             # costs nothing extra between logical CPUs that share memory.
             cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+            self.shared_cpu_replicas = len(devices) if len(devices) > 1 else 0
         return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)

@@ -13,16 +13,29 @@ runs on:
     off        plain TensorFlow graphs (oneDNN kernels throughout)
 
 `auto` picks, from those measurements:
+  - `off` for replicas that share one CPU (mirrored over --virtual_devices):
+    their compiled steps contend for the same cores, and plain graphs won
+    every row measured there (AMD EPYC, AVX512-BF16, mirrored over 2 virtual
+    CPUs, examples/s off vs step: mlp float32 1869 vs 1687, bf16 2550 vs
+    1840; cnn float32 2424 vs 1598 (optimizer 2296), bf16 2315 vs 2018;
+    transformer float32 1139 vs 1147, bf16 624 vs 191);
   - `step` for float32 dense models (matmuls, einsums): XLA fuses the step
     (everything, under the default strategy) and its float32 dots match
-    oneDNN's;
-  - `step` for 16-bit policies without AMX: XLA computes bf16 dots and
-    convolutions in float32, faster than oneDNN's bf16 kernels there
-    (AVX512-BF16: half its float32 matmul rate; AVX2: emulated; Keras fit on
-    the cnn: 1114 vs 501 examples/s with XLA on vs off);
+    oneDNN's (mlp 3691 vs 2898 off on the EPYC);
+  - `step` for 16-bit policies on CPUs that emulate bf16 (AVX2 only): XLA
+    computes bf16 dots and convolutions in float32, faster than the emulated
+    kernels (Keras fit on the cnn: 1114 vs 501 examples/s with XLA on vs off);
+  - `off` for bfloat16 on CPUs with AVX512-BF16 but no AMX, for models of
+    Dense and Conv layers: oneDNN's native bf16 kernels beat XLA's float32
+    computation there (AMD EPYC, default strategy, off vs step: mlp 4189 vs
+    3171, cnn 2392 vs 2099); `step` for models with attention (at least
+    EINSUM_SHARE of their FLOPs in batched matmuls and einsums), whose
+    softmax, normalisation and casts XLA fuses (the transformer, 38% in
+    einsums: 1135 step vs 903 off);
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
-    examples/s under the default strategy);
+    examples/s under the default strategy; 2545 optimizer vs 2479 off vs
+    1755 step on the EPYC);
   - `optimizer` with --reduce_bucket_mb under replicated engines: one XLA
     cluster for the gradients would produce them all at once, so no bucket
     could overlap the backward pass (without buckets, `step` won for the
@@ -48,18 +61,30 @@ STEP, OPTIMIZER, OFF = "step", "optimizer", "off"
 # forward/backward to oneDNN: XLA's CPU convolutions were slower (the cnn:
 # 1061 vs 1277 examples/s under the default strategy, float32).
 CONVOLUTION_SHARE = 0.5
+# At or above this share of a model's FLOPs in batched matmuls and einsums
+# (attention), auto compiles bf16 steps on AVX512-BF16 CPUs (see above).
+EINSUM_SHARE = 0.1
 
 
 def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0,
-               buckets: bool = False) -> str:
+               buckets: bool = False, shared_cpu: bool = False,
+               einsum_share: float = 0.0) -> str:
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
     for a model with `convolution_share` of its FLOPs in convolutions, with
-    bucketed reductions (`buckets`) or not."""
-    if precision == "mixed_bfloat16" and hardware.bf16_support() == "AMX":
+    bucketed reductions (`buckets`) or not, for replicas that share one CPU
+    (`shared_cpu`) or not, with `einsum_share` of its FLOPs in batched
+    matmuls and einsums (attention). The measurements behind each branch are in this
+    module's docstring."""
+    bf16 = hardware.bf16_support()
+    if shared_cpu:
+        return OFF
+    if precision == "mixed_bfloat16" and bf16 == "AMX":
         return OPTIMIZER
+    if precision == "mixed_bfloat16" and bf16 == "AVX-512":
+        return STEP if einsum_share >= EINSUM_SHARE else OFF
     if precision != "float32":
-        return STEP   # XLA's float32 dots and convolutions beat 16-bit kernels without AMX
+        return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
     if convolution_share > CONVOLUTION_SHARE or (buckets and not whole_step):
         return OPTIMIZER
     return STEP
@@ -73,14 +98,15 @@ def check(setting: str, strategy) -> None:
 
 
 def resolve(setting: str, precision: str, strategy, convolution_share: float = 0.0,
-            buckets: bool = False) -> str:
+            buckets: bool = False, einsum_share: float = 0.0) -> str:
     """The level for `--jit_compile=setting` under `strategy`."""
     check(setting, strategy)
     if not strategy.supports_xla or setting == "off":
         return OFF
     if setting == "on":
         return STEP
-    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets)
+    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets,
+                      bool(strategy.shared_cpu_replicas), einsum_share)
 
 
 def describe(setting: str, level: str) -> str:
