@@ -206,10 +206,14 @@ def child(model, precision, strategy_name, seconds):
     train("tfdist off", "off")
     train("tfdist XLA", "on")
     from tfdist.training import xla
-    share = flops.convolution_share(flops.forward_flops_by_op(model_fn(spec)))
+    by_op = flops.forward_flops_by_op(model_fn(spec))
     from tfdist import strategies
     whole_step = strategies.create(StrategyConfig(name=strategy_name)).xla_whole_step
-    level = xla.auto_level(precision, whole_step, share)
+    # mirrored here is 2 virtual devices of this CPU (no GPU on these hosts):
+    # replicas that share the CPU, as MirroredStrategy.shared_cpu_replicas says.
+    shared = strategy_name == "mirrored" and not tf.config.list_physical_devices("GPU")
+    level = xla.auto_level(precision, whole_step, flops.convolution_share(by_op),
+                           shared_cpu=shared)
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only

@@ -145,18 +145,6 @@ def test_jit_compile_with_accumulation_and_recompute():
     assert_weights_close(on.model.get_weights(), off.model.get_weights(), rtol=0, atol=1e-4)
 
 
-def test_einsum_share_tells_attention_from_dense_layers():
-    """The shares auto reads, from the FLOP counts of real models."""
-    from tfdist.observe import flops
-    transformer = models.build(tfdist.ModelConfig(name="transformer", width=16, depth=1,
-                                                  num_heads=2), TOKEN_SPEC)
-    mlp = models.build(tfdist.ModelConfig(name="mlp", width=16, depth=1), IMAGE_SPEC)
-    by_op = flops.try_forward_flops_by_op(transformer)
-    assert flops.einsum_share(by_op) >= xla.EINSUM_SHARE, by_op
-    assert flops.einsum_share(flops.try_forward_flops_by_op(mlp)) == 0.0
-    assert flops.einsum_share({}) == 0.0
-
-
 def test_auto_picks_by_precision_and_isa(monkeypatch):
     from tfdist.observe import hardware
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AMX")
@@ -174,8 +162,7 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AVX-512")
     assert xla.auto_level("mixed_bfloat16") == xla.OFF   # an mlp
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OFF   # a cnn
-    assert xla.auto_level("mixed_bfloat16", einsum_share=0.38) == xla.STEP   # a transformer
-    assert xla.auto_level("float32", einsum_share=0.38) == xla.STEP
+    assert xla.auto_level("float32", convolution_share=0.9) == xla.OPTIMIZER
     assert xla.auto_level("mixed_float16") == xla.STEP   # float16 is emulated everywhere
     assert xla.auto_level("float32") == xla.STEP
     # Replicas sharing one CPU: plain graphs, whatever the precision or CPU.

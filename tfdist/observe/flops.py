@@ -101,16 +101,6 @@ def convolution_share(by_op: dict) -> float:
     return sum(v for k, v in by_op.items() if "Conv" in k) / total if total else 0.0
 
 
-def einsum_share(by_op: dict) -> float:
-    """The fraction of FLOPs in batched matmuls and einsums (attention scores
-    and EinsumDense projections, which come with the softmax, normalisation
-    and other element-wise work XLA fuses; Dense and Conv layers are MatMul
-    and Conv ops)."""
-    total = sum(by_op.values())
-    return sum(v for k, v in by_op.items()
-               if k.startswith("BatchMatMul") or k == "Einsum") / total if total else 0.0
-
-
 def training_flops_per_example(model, input_signature=None) -> int:
     """FLOPs of one example's training step: 3 x `forward_flops` (the backward
     pass costs about twice the forward)."""

@@ -18,20 +18,19 @@ runs on:
     every row measured there (AMD EPYC, AVX512-BF16, mirrored over 2 virtual
     CPUs, examples/s off vs step: mlp float32 1869 vs 1687, bf16 2550 vs
     1840; cnn float32 2424 vs 1598 (optimizer 2296), bf16 2315 vs 2018;
-    transformer float32 1139 vs 1147, bf16 624 vs 191);
+    the transformer within noise: float32 1139 vs 1147 in one run, 1153 vs
+    1286 in another; bf16 624 vs 191 and 1000 vs 956);
   - `step` for float32 dense models (matmuls, einsums): XLA fuses the step
     (everything, under the default strategy) and its float32 dots match
     oneDNN's (mlp 3691 vs 2898 off on the EPYC);
   - `step` for 16-bit policies on CPUs that emulate bf16 (AVX2 only): XLA
     computes bf16 dots and convolutions in float32, faster than the emulated
     kernels (Keras fit on the cnn: 1114 vs 501 examples/s with XLA on vs off);
-  - `off` for bfloat16 on CPUs with AVX512-BF16 but no AMX, for models of
-    Dense and Conv layers: oneDNN's native bf16 kernels beat XLA's float32
-    computation there (AMD EPYC, default strategy, off vs step: mlp 4189 vs
-    3171, cnn 2392 vs 2099); `step` for models with attention (at least
-    EINSUM_SHARE of their FLOPs in batched matmuls and einsums), whose
-    softmax, normalisation and casts XLA fuses (the transformer, 38% in
-    einsums: 1135 step vs 903 off);
+  - `off` for bfloat16 on CPUs with AVX512-BF16 but no AMX: oneDNN's native
+    bf16 kernels beat XLA's float32 computation there (AMD EPYC, default
+    strategy, off vs step in two runs: mlp 4189 vs 3171 and 4343 vs 3317,
+    cnn 2392 vs 2099 and 2790 vs 2113; the transformer went either way,
+    903 vs 1135 and 1151 vs 1084, within this machine's run-to-run noise);
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
     examples/s under the default strategy; 2545 optimizer vs 2479 off vs
@@ -61,20 +60,15 @@ STEP, OPTIMIZER, OFF = "step", "optimizer", "off"
 # forward/backward to oneDNN: XLA's CPU convolutions were slower (the cnn:
 # 1061 vs 1277 examples/s under the default strategy, float32).
 CONVOLUTION_SHARE = 0.5
-# At or above this share of a model's FLOPs in batched matmuls and einsums
-# (attention), auto compiles bf16 steps on AVX512-BF16 CPUs (see above).
-EINSUM_SHARE = 0.1
 
 
 def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0,
-               buckets: bool = False, shared_cpu: bool = False,
-               einsum_share: float = 0.0) -> str:
+               buckets: bool = False, shared_cpu: bool = False) -> str:
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
     for a model with `convolution_share` of its FLOPs in convolutions, with
     bucketed reductions (`buckets`) or not, for replicas that share one CPU
-    (`shared_cpu`) or not, with `einsum_share` of its FLOPs in batched
-    matmuls and einsums (attention). The measurements behind each branch are in this
+    (`shared_cpu`) or not. The measurements behind each branch are in this
     module's docstring."""
     bf16 = hardware.bf16_support()
     if shared_cpu:
@@ -82,7 +76,7 @@ def auto_level(precision: str, whole_step: bool = True, convolution_share: float
     if precision == "mixed_bfloat16" and bf16 == "AMX":
         return OPTIMIZER
     if precision == "mixed_bfloat16" and bf16 == "AVX-512":
-        return STEP if einsum_share >= EINSUM_SHARE else OFF
+        return OFF
     if precision != "float32":
         return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
     if convolution_share > CONVOLUTION_SHARE or (buckets and not whole_step):
@@ -98,7 +92,7 @@ def check(setting: str, strategy) -> None:
 
 
 def resolve(setting: str, precision: str, strategy, convolution_share: float = 0.0,
-            buckets: bool = False, einsum_share: float = 0.0) -> str:
+            buckets: bool = False) -> str:
     """The level for `--jit_compile=setting` under `strategy`."""
     check(setting, strategy)
     if not strategy.supports_xla or setting == "off":
@@ -106,7 +100,7 @@ def resolve(setting: str, precision: str, strategy, convolution_share: float = 0
     if setting == "on":
         return STEP
     return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets,
-                      bool(strategy.shared_cpu_replicas), einsum_share)
+                      bool(strategy.shared_cpu_replicas))
 
 
 def describe(setting: str, level: str) -> str:
