@@ -68,6 +68,7 @@ bench: $(STAMP) iproute2
 	$(BIN)/python bench/scaling.py
 	-$(MAKE) --no-print-directory horovod
 	$(BIN)/python bench/horovod_vs_multi_worker.py
+	$(BIN)/python bench/allreduce.py
 	$(BIN)/python bench/dtensor.py
 	$(BIN)/python bench/parameter_server.py
 	$(BIN)/python bench/slow_link.py
