@@ -209,11 +209,7 @@ def child(model, precision, strategy_name, seconds):
     by_op = flops.forward_flops_by_op(model_fn(spec))
     from tfdist import strategies
     whole_step = strategies.create(StrategyConfig(name=strategy_name)).xla_whole_step
-    # mirrored here is 2 virtual devices of this CPU (no GPU on these hosts):
-    # replicas that share the CPU, as MirroredStrategy.shared_cpu_replicas says.
-    shared = strategy_name == "mirrored" and not tf.config.list_physical_devices("GPU")
-    level = xla.auto_level(precision, whole_step, flops.convolution_share(by_op),
-                           shared_cpu=shared)
+    level = xla.auto_level(precision, whole_step, flops.convolution_share(by_op))
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only

@@ -158,36 +158,18 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     assert xla.auto_level("mixed_bfloat16") == xla.STEP
     assert xla.auto_level("mixed_bfloat16", whole_step=False) == xla.STEP
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.STEP
-    # AVX512-BF16 without AMX: oneDNN's native bf16 kernels, not XLA; float32 as before.
+    # AVX512-BF16 without AMX: on AMD (full-rate bf16) oneDNN's native kernels;
+    # on Intel (half-rate bf16) XLA's float32 computation; float32 as before.
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AVX-512")
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: "AMD")
     assert xla.auto_level("mixed_bfloat16") == xla.OFF   # an mlp
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OFF   # a cnn
     assert xla.auto_level("float32", convolution_share=0.9) == xla.OPTIMIZER
     assert xla.auto_level("mixed_float16") == xla.STEP   # float16 is emulated everywhere
     assert xla.auto_level("float32") == xla.STEP
-    # Replicas sharing one CPU: plain graphs, whatever the precision or CPU.
-    for support in ("AMX", "AVX-512", "emulated"):
-        monkeypatch.setattr(hardware, "bf16_support", lambda: support)
-        for precision in ("float32", "mixed_bfloat16"):
-            assert xla.auto_level(precision, shared_cpu=True) == xla.OFF
-            assert xla.auto_level(precision, convolution_share=0.9, shared_cpu=True) == xla.OFF
-
-
-def test_auto_resolves_off_for_mirrored_over_virtual_cpus(monkeypatch):
-    """The strategy's shared-CPU replicas reach the rule; the control, the same
-    strategy with one device, keeps XLA."""
-    from tfdist.observe import hardware
-    monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")
-
-    class Engine:
-        supports_xla, xla_whole_step = True, False
-
-        def __init__(self, shared):
-            self.shared_cpu_replicas = shared
-
-    assert xla.resolve("auto", "float32", Engine(2)) == xla.OFF
-    assert xla.resolve("auto", "float32", Engine(0)) == xla.STEP
-    assert xla.resolve("on", "float32", Engine(2)) == xla.STEP   # asked for: given
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: "Intel")
+    assert xla.auto_level("mixed_bfloat16") == xla.STEP
+    assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.STEP
 
 
 def test_slow_choices_are_named(monkeypatch):
@@ -202,9 +184,8 @@ def test_slow_choices_are_named(monkeypatch):
 
 
 def test_mirrored_over_virtual_cpus_is_steered_to_default(monkeypatch):
-    """Replicas sharing one CPU get a line pointing to --strategy=default, and
-    --jit_compile=on there is named slower than auto's `off`; the control, one
-    device, gets neither."""
+    """Replicas sharing one CPU get a line pointing to --strategy=default; the
+    control, one device, does not."""
     from tfdist.observe import hardware
     monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")
 
@@ -214,12 +195,10 @@ def test_mirrored_over_virtual_cpus_is_steered_to_default(monkeypatch):
         def __init__(self, shared):
             self.shared_cpu_replicas = shared
 
-    shared = api.slow_choice_warnings(run_config(jit_compile="on"), xla.STEP, Engine(2))
-    assert len(shared) == 2, shared
+    shared = api.slow_choice_warnings(run_config(jit_compile="auto"), xla.STEP, Engine(2))
+    assert len(shared) == 1, shared
     assert "2 replicas share this CPU" in shared[0] and "--strategy=default" in shared[0]
-    assert "XLA (--jit_compile=auto): off is faster" in shared[1]
-    assert api.slow_choice_warnings(run_config(jit_compile="on"), xla.STEP, Engine(0)) == []
-    assert len(api.slow_choice_warnings(run_config(), xla.OFF, Engine(2))) == 1
+    assert api.slow_choice_warnings(run_config(jit_compile="auto"), xla.STEP, Engine(0)) == []
 
 
 # -- per-rank log lines (2 real workers) ----------------------------------------
@@ -245,3 +224,14 @@ def test_log_lines_carry_the_rank_and_only_the_chief_speaks_by_default():
     assert "[worker 0/2 chief] step 4/4" in quiet
     assert "[worker 1/2] step" not in quiet
     assert "[worker 1/2] step 4/4" in loud and "[worker 0/2 chief] step 4/4" in loud
+
+
+def test_mirrored_on_cpu_reports_its_shared_replicas():
+    """What the steering reads: mirrored over 2 virtual CPUs has 2 replicas
+    sharing the CPU; the control, the default strategy, none."""
+    from tfdist import strategies
+    mirrored = strategies.create(tfdist.StrategyConfig(name="mirrored", virtual_devices=2))
+    mirrored.setup()
+    default = strategies.create(tfdist.StrategyConfig(name="default"))
+    default.setup()
+    assert (mirrored.shared_cpu_replicas, default.shared_cpu_replicas) == (2, 0)

@@ -154,7 +154,7 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
                      "--strategy=default")
     supports = strategy is None or strategy.supports_xla
     auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step,
-                          convolution_share, bool(tc.reduce_bucket_mb), bool(shared))
+                          convolution_share, bool(tc.reduce_bucket_mb))
     if tc.jit_compile != "auto" and jit_level != auto and supports:
         lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
                      f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "
@@ -183,7 +183,9 @@ def _run_description(config, strategy, model, spec, controller, peak_lr) -> list
         f"learning rate: peak {peak_lr:g} ({oc.lr_scaling} scaling of {oc.learning_rate:g} "
         f"from batch {oc.base_batch_size}), {oc.warmup_steps} warm-up steps, {oc.lr_decay}",
         trainer.task.describe(),
-        xla.describe(tc.jit_compile, trainer.jit_level),
+        xla.describe(tc.jit_compile, trainer.jit_level) + (
+            "; the replicas share one CPU: --strategy=default is faster at any level"
+            if strategy.shared_cpu_replicas else ""),
     ]
     if controller.flops_per_example:
         peak_text = (f"; this host's matmul peak for {tc.precision} "

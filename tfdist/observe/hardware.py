@@ -47,6 +47,20 @@ def cpu_model() -> str:
     return _cpuinfo()[0] or "unknown CPU"
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """'AMD', 'Intel' or '' (another or unknown), from /proc/cpuinfo's vendor_id."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key == "vendor_id":
+                    return {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(value, "")
+    except OSError:
+        pass
+    return ""
+
+
 def isa_features() -> list[str]:
     """The relevant ISA features this CPU has, e.g. ["AVX2", "FMA", "AVX-512"]."""
     flags = _cpuinfo()[1]

@@ -13,24 +13,23 @@ runs on:
     off        plain TensorFlow graphs (oneDNN kernels throughout)
 
 `auto` picks, from those measurements:
-  - `off` for replicas that share one CPU (mirrored over --virtual_devices):
-    their compiled steps contend for the same cores, and plain graphs won
-    every row measured there (AMD EPYC, AVX512-BF16, mirrored over 2 virtual
-    CPUs, examples/s off vs step: mlp float32 1869 vs 1687, bf16 2550 vs
-    1840; cnn float32 2424 vs 1598 (optimizer 2296), bf16 2315 vs 2018;
-    the transformer within noise: float32 1139 vs 1147 in one run, 1153 vs
-    1286 in another; bf16 624 vs 191 and 1000 vs 956);
   - `step` for float32 dense models (matmuls, einsums): XLA fuses the step
     (everything, under the default strategy) and its float32 dots match
     oneDNN's (mlp 3691 vs 2898 off on the EPYC);
   - `step` for 16-bit policies on CPUs that emulate bf16 (AVX2 only): XLA
     computes bf16 dots and convolutions in float32, faster than the emulated
     kernels (Keras fit on the cnn: 1114 vs 501 examples/s with XLA on vs off);
-  - `off` for bfloat16 on CPUs with AVX512-BF16 but no AMX: oneDNN's native
-    bf16 kernels beat XLA's float32 computation there (AMD EPYC, default
-    strategy, off vs step in two runs: mlp 4189 vs 3171 and 4343 vs 3317,
-    cnn 2392 vs 2099 and 2790 vs 2113; the transformer went either way,
-    903 vs 1135 and 1151 vs 1084, within this machine's run-to-run noise);
+  - `off` for bfloat16 on AMD CPUs with AVX512-BF16 (Zen 4 and later):
+    their bf16 dot products run at full rate (oneDNN bf16 matmul peak 0.515
+    TFLOP/s vs float32 0.400 on a 2-core EPYC), so oneDNN's native bf16
+    kernels beat XLA's float32 computation (default strategy, off vs step in
+    two runs: mlp 4189 vs 3171 and 4343 vs 3317, cnn 2392 vs 2099 and 2790
+    vs 2113; the transformer went either way, 903 vs 1135 and 1151 vs 1084,
+    within that machine's run-to-run noise);
+  - `step` for bfloat16 on Intel CPUs with AVX512-BF16 but no AMX (Cooper
+    Lake class): oneDNN's bf16 matmuls ran at half float32's rate there
+    (0.141 vs 0.279 TFLOP/s), and XLA won every bf16 row (mlp 2147 vs 1251,
+    cnn 1167 vs 907, transformer 604 vs 411, Keras fit with and without XLA);
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
     examples/s under the default strategy; 2545 optimizer vs 2479 off vs
@@ -63,19 +62,16 @@ CONVOLUTION_SHARE = 0.5
 
 
 def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0,
-               buckets: bool = False, shared_cpu: bool = False) -> str:
+               buckets: bool = False) -> str:
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
     for a model with `convolution_share` of its FLOPs in convolutions, with
-    bucketed reductions (`buckets`) or not, for replicas that share one CPU
-    (`shared_cpu`) or not. The measurements behind each branch are in this
+    bucketed reductions (`buckets`) or not. The measurements behind each branch are in this
     module's docstring."""
     bf16 = hardware.bf16_support()
-    if shared_cpu:
-        return OFF
     if precision == "mixed_bfloat16" and bf16 == "AMX":
         return OPTIMIZER
-    if precision == "mixed_bfloat16" and bf16 == "AVX-512":
+    if precision == "mixed_bfloat16" and bf16 == "AVX-512" and hardware.cpu_vendor() == "AMD":
         return OFF
     if precision != "float32":
         return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
@@ -99,8 +95,7 @@ def resolve(setting: str, precision: str, strategy, convolution_share: float = 0
         return OFF
     if setting == "on":
         return STEP
-    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets,
-                      bool(strategy.shared_cpu_replicas))
+    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets)
 
 
 def describe(setting: str, level: str) -> str:
