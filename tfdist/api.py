@@ -148,10 +148,10 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
     if shared:
         lines.append(f"{shared} replicas share this CPU's {os.cpu_count()} cores as virtual "
                      "devices: a way to test multi-device code, not to speed a CPU up (every "
-                     "replica's step and optimizer update contend for the same threads; "
-                     "mirrored over 2 virtual CPUs ran 0.46x (float32) and 0.58x (bfloat16) "
-                     "of one device on the mlp, bench/vs_fit.py); for speed on one CPU use "
-                     "--strategy=default")
+                     "replica's step and optimizer update contend for the same threads: "
+                     "the mlp ran 0.48x (float32) and 0.66x (bfloat16) of one device on a "
+                     "2-core EPYC, 0.78x and 0.61x on an AMX Xeon; bench/vs_fit.py measures "
+                     "this CPU); for speed on one CPU use --strategy=default")
     supports = strategy is None or strategy.supports_xla
     auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step,
                           convolution_share, bool(tc.reduce_bucket_mb))
