@@ -68,8 +68,8 @@ class Strategy(abc.ABC):
     supports_xla_reason: str = ""
     xla_whole_step: bool = False
     # Replicas of this process that are logical devices of one CPU, sharing
-    # its cores (mirrored over --virtual_devices): a test vehicle, slower
-    # than one device on the same cores (README "Strategies").
+    # its cores (mirrored over --virtual_devices): a test vehicle, not a
+    # speed-up (README, "Mirrored over virtual CPUs").
     shared_cpu_replicas: int = 0
 
     def __init__(self, config: StrategyConfig):

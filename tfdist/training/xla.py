@@ -26,10 +26,11 @@ runs on:
     two runs: mlp 4189 vs 3171 and 4343 vs 3317, cnn 2392 vs 2099 and 2790
     vs 2113; the transformer went either way, 903 vs 1135 and 1151 vs 1084,
     within that machine's run-to-run noise);
-  - `step` for bfloat16 on Intel CPUs with AVX512-BF16 but no AMX (Cooper
-    Lake class): oneDNN's bf16 matmuls ran at half float32's rate there
-    (0.141 vs 0.279 TFLOP/s), and XLA won every bf16 row (mlp 2147 vs 1251,
-    cnn 1167 vs 907, transformer 604 vs 411, Keras fit with and without XLA);
+  - `step` for bfloat16 on Intel CPUs with AVX512-BF16 but no AMX (the
+    2-core "Intel Xeon Processor" of README's vs_fit table): oneDNN's bf16
+    matmuls ran at half float32's rate there (0.141 vs 0.279 TFLOP/s), and
+    XLA won every bf16 row (tfdist on vs off, default strategy: mlp 2082 vs
+    1251, cnn 1190 vs 875, transformer 626 vs 429);
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
     examples/s under the default strategy; 2545 optimizer vs 2479 off vs
@@ -66,8 +67,8 @@ def auto_level(precision: str, whole_step: bool = True, convolution_share: float
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
     for a model with `convolution_share` of its FLOPs in convolutions, with
-    bucketed reductions (`buckets`) or not. The measurements behind each branch are in this
-    module's docstring."""
+    bucketed reductions (`buckets`) or not. The measurements behind each
+    branch are in this module's docstring."""
     bf16 = hardware.bf16_support()
     if precision == "mixed_bfloat16" and bf16 == "AMX":
         return OPTIMIZER
