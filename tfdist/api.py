@@ -184,7 +184,7 @@ def _run_description(config, strategy, model, spec, controller, peak_lr) -> list
         f"from batch {oc.base_batch_size}), {oc.warmup_steps} warm-up steps, {oc.lr_decay}",
         trainer.task.describe(),
         xla.describe(tc.jit_compile, trainer.jit_level) + (
-            "; the replicas share one CPU: --strategy=default is faster at any level"
+            "; the replicas share one CPU: for speed, --strategy=default (see the warning)"
             if strategy.shared_cpu_replicas else ""),
     ]
     if controller.flops_per_example:
