@@ -60,8 +60,8 @@ unit: $(STAMP)
 
 # Every benchmark, one after the other; each prints its rows as it measures
 # them and stays under ~10 minutes on a slow 2-core CPU (slow_link, ~19: two
-# runs per row and rate, then a 400-step accuracy run per configuration). The sections collect
-# in bench/results/report.md. A failed Horovod build only skips its bench.
+# runs per row and rate, then a 400-step accuracy run per configuration). The
+# sections collect in bench/results/report.md. A failed Horovod build only skips its bench.
 bench: $(STAMP) iproute2
 	$(BIN)/python bench/vs_fit.py
 	$(BIN)/python bench/features.py

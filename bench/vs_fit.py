@@ -206,10 +206,10 @@ def child(model, precision, strategy_name, seconds):
     train("tfdist off", "off")
     train("tfdist XLA", "on")
     from tfdist.training import xla
-    by_op = flops.forward_flops_by_op(model_fn(spec))
+    share = flops.convolution_share(flops.forward_flops_by_op(model_fn(spec)))
     from tfdist import strategies
     whole_step = strategies.create(StrategyConfig(name=strategy_name)).xla_whole_step
-    level = xla.auto_level(precision, whole_step, flops.convolution_share(by_op))
+    level = xla.auto_level(precision, whole_step, share)
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only

@@ -201,6 +201,17 @@ def test_mirrored_over_virtual_cpus_is_steered_to_default(monkeypatch):
     assert api.slow_choice_warnings(run_config(jit_compile="auto"), xla.STEP, Engine(0)) == []
 
 
+def test_mirrored_on_cpu_reports_its_shared_replicas():
+    """What the steering reads: mirrored over 2 virtual CPUs has 2 replicas
+    sharing the CPU; the control, the default strategy, none."""
+    from tfdist import strategies
+    mirrored = strategies.create(tfdist.StrategyConfig(name="mirrored", virtual_devices=2))
+    mirrored.setup()
+    default = strategies.create(tfdist.StrategyConfig(name="default"))
+    default.setup()
+    assert (mirrored.shared_cpu_replicas, default.shared_cpu_replicas) == (2, 0)
+
+
 # -- per-rank log lines (2 real workers) ----------------------------------------
 @pytest.mark.integration
 @pytest.mark.timeout(240)
@@ -225,13 +236,3 @@ def test_log_lines_carry_the_rank_and_only_the_chief_speaks_by_default():
     assert "[worker 1/2] step" not in quiet
     assert "[worker 1/2] step 4/4" in loud and "[worker 0/2 chief] step 4/4" in loud
 
-
-def test_mirrored_on_cpu_reports_its_shared_replicas():
-    """What the steering reads: mirrored over 2 virtual CPUs has 2 replicas
-    sharing the CPU; the control, the default strategy, none."""
-    from tfdist import strategies
-    mirrored = strategies.create(tfdist.StrategyConfig(name="mirrored", virtual_devices=2))
-    mirrored.setup()
-    default = strategies.create(tfdist.StrategyConfig(name="default"))
-    default.setup()
-    assert (mirrored.shared_cpu_replicas, default.shared_cpu_replicas) == (2, 0)

@@ -342,7 +342,8 @@ HELP_GROUPS = {title: tuple(holder.name for holder in holders) for title, holder
         _PRECISION, _LOSS_SCALE_GROWTH_STEPS, _JIT_COMPILE, _RECOMPUTE,
         _REDUCE_BUCKET_MB, _STEPS_PER_LOOP, _PROFILE_STEPS, _PROFILE_ALL_RANKS),
     "slow network": (
-        _GRAD_COMPRESSION, _POWERSGD_RANK, _TOPK_FRACTION, _COMPRESSION_WARMUP_STEPS, _SYNC_EVERY),
+        _GRAD_COMPRESSION, _POWERSGD_RANK, _TOPK_FRACTION, _COMPRESSION_WARMUP_STEPS,
+        _SYNC_EVERY),
     "faults": (
         _COLLECTIVE_TIMEOUT_S, _PREEMPTION_GRACE_S, _ON_NONFINITE, _MAX_ROLLBACKS, _ELASTIC,
         _ELASTIC_COMMIT_EVERY),
@@ -413,7 +414,8 @@ def run_config() -> config_lib.RunConfig:
                 epochs=_EPOCHS.value, steps_per_loop=_STEPS_PER_LOOP.value,
                 accum_steps=accum_steps, grad_compression=_GRAD_COMPRESSION.value,
                 powersgd_rank=_POWERSGD_RANK.value, topk_fraction=_TOPK_FRACTION.value,
-                compression_warmup_steps=_COMPRESSION_WARMUP_STEPS.value, sync_every=_SYNC_EVERY.value,
+                compression_warmup_steps=_COMPRESSION_WARMUP_STEPS.value,
+                sync_every=_SYNC_EVERY.value,
                 precision=_PRECISION.value,
                 loss_scale_growth_steps=_LOSS_SCALE_GROWTH_STEPS.value,
                 eval_every=_EVAL_EVERY.value,

@@ -64,7 +64,7 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
-        if exc_type is None or (isinstance(exc_type, type) and issubclass(exc_type, Preempted)):
+        if exc_type is None or issubclass(exc_type, Preempted):
             # Training stopped in time (the save is done): the process goes on
             # or exits by itself. A Python program that catches `Preempted`
             # must not be killed grace_s later by the deadline below.
