@@ -158,12 +158,13 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     assert xla.auto_level("mixed_bfloat16") == xla.STEP
     assert xla.auto_level("mixed_bfloat16", whole_step=False) == xla.STEP
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.STEP
-    # AVX512-BF16 without AMX: on AMD (full-rate bf16) oneDNN's native kernels;
-    # on Intel (half-rate bf16) XLA's float32 computation; float32 as before.
+    # AVX512-BF16 without AMX: on AMD (full-rate bf16) oneDNN's native kernels
+    # with the fused update; on Intel (half-rate bf16) XLA's float32
+    # computation; float32 as before.
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AVX-512")
     monkeypatch.setattr(hardware, "cpu_vendor", lambda: "AMD")
-    assert xla.auto_level("mixed_bfloat16") == xla.OFF   # an mlp
-    assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OFF   # a cnn
+    assert xla.auto_level("mixed_bfloat16") == xla.OPTIMIZER   # an mlp
+    assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OPTIMIZER   # a cnn
     assert xla.auto_level("float32", convolution_share=0.9) == xla.OPTIMIZER
     assert xla.auto_level("mixed_float16") == xla.STEP   # float16 is emulated everywhere
     assert xla.auto_level("float32") == xla.STEP

@@ -19,13 +19,17 @@ runs on:
   - `step` for 16-bit policies on CPUs that emulate bf16 (AVX2 only): XLA
     computes bf16 dots and convolutions in float32, faster than the emulated
     kernels (Keras fit on the cnn: 1114 vs 501 examples/s with XLA on vs off);
-  - `off` for bfloat16 on AMD CPUs with AVX512-BF16 (Zen 4 and later):
+  - `optimizer` for bfloat16 on AMD CPUs with AVX512-BF16 (Zen 4 and later):
     their bf16 dot products run at full rate (oneDNN bf16 matmul peak 0.515
     TFLOP/s vs float32 0.400 on a 2-core EPYC), so oneDNN's native bf16
-    kernels beat XLA's float32 computation (default strategy, off vs step in
-    two runs: mlp 4189 vs 3171 and 4343 vs 3317, cnn 2392 vs 2099 and 2790
-    vs 2113; the transformer went either way, 903 vs 1135 and 1151 vs 1084,
-    within that machine's run-to-run noise);
+    kernels beat XLA's float32 computation (default strategy, off vs step:
+    mlp 4189 vs 3171 and 4343 vs 3317, cnn 2392 vs 2099 and 2790 vs 2113),
+    and the fused update beats both: Adam's float32 update is memory-bound and
+    costs more than the whole bf16 backward pass when left unfused (off vs
+    optimizer vs step, two rounds in one process each, 2-core EPYC: mlp 4206
+    / 5583 / 3158 and 4133 / 5392 / 3235, cnn 2336 / 2447 and 2122 / 2310,
+    transformer 1057 / 1082 / 1033 and 1116 / 1131 / 1091; under mirrored the
+    mlp 2311 / 3956 and 2631 / 3894);
   - `step` for bfloat16 on Intel CPUs with AVX512-BF16 but no AMX (the
     2-core "Intel Xeon Processor" of README's vs_fit table): oneDNN's bf16
     matmuls ran at half float32's rate there (0.141 vs 0.279 TFLOP/s), and
@@ -70,10 +74,9 @@ def auto_level(precision: str, whole_step: bool = True, convolution_share: float
     bucketed reductions (`buckets`) or not. The measurements behind each
     branch are in this module's docstring."""
     bf16 = hardware.bf16_support()
-    if precision == "mixed_bfloat16" and bf16 == "AMX":
-        return OPTIMIZER
-    if precision == "mixed_bfloat16" and bf16 == "AVX-512" and hardware.cpu_vendor() == "AMD":
-        return OFF
+    if precision == "mixed_bfloat16" and (
+            bf16 == "AMX" or (bf16 == "AVX-512" and hardware.cpu_vendor() == "AMD")):
+        return OPTIMIZER   # native bf16 matmuls in oneDNN, Adam's memory-bound update fused
     if precision != "float32":
         return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
     if convolution_share > CONVOLUTION_SHARE or (buckets and not whole_step):
