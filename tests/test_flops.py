@@ -174,6 +174,25 @@ def test_corrupt_cache_is_ignored_and_rewritten(tmp_path, monkeypatch):
     assert peak.matmul_peak_tflops("bfloat16") == 1.25
 
 
+def test_refresh_keeps_the_higher_peak(tmp_path, monkeypatch):
+    """A probe that shares the cores measures low: a refresh never lowers the entry."""
+    monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
+    for measured, kept in ((0.5, 0.5), (0.3, 0.5), (0.8, 0.8)):
+        monkeypatch.setattr(peak, "_measure_tflops", lambda dtype: measured)
+        assert peak.matmul_peak_tflops("float32", refresh=True) == kept
+    monkeypatch.setattr(peak, "_measure_tflops", _no_probe)
+    assert peak.matmul_peak_tflops("float32") == 0.8
+
+
+def test_native_bf16_is_probed_at_float32_size(monkeypatch):
+    from tfdist.observe import hardware
+    for support, size in (("AMX", 2048), ("AVX-512", 2048), ("emulated", 1024)):
+        monkeypatch.setattr(hardware, "bf16_support", lambda: support)
+        assert peak._start_size("bfloat16") == size
+        assert peak._start_size("float32") == 2048
+        assert peak._start_size("float16") == 1024
+
+
 def test_peak_cli_prints_measured_then_cached(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(peak, "_measure_tflops", lambda dtype: 0.5)
