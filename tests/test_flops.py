@@ -174,7 +174,7 @@ def test_corrupt_cache_is_ignored_and_rewritten(tmp_path, monkeypatch):
     assert peak.matmul_peak_tflops("bfloat16") == 1.25
 
 
-def test_refresh_keeps_the_higher_peak(tmp_path, monkeypatch):
+def test_refresh_keeps_the_higher_peak(tmp_path, monkeypatch, capsys):
     """A probe that shares the cores measures low: a refresh never lowers the entry."""
     monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
     for measured, kept in ((0.5, 0.5), (0.3, 0.5), (0.8, 0.8)):
@@ -182,6 +182,10 @@ def test_refresh_keeps_the_higher_peak(tmp_path, monkeypatch):
         assert peak.matmul_peak_tflops("float32", refresh=True) == kept
     monkeypatch.setattr(peak, "_measure_tflops", _no_probe)
     assert peak.matmul_peak_tflops("float32") == 0.8
+    monkeypatch.setattr(peak, "_measure_tflops", lambda dtype: 0.25)
+    assert peak.main(["--dtype=float32", "--refresh"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "float32: 0.800 TFLOP/s (measured 0.250, kept the cached figure)")
 
 
 def test_native_bf16_is_probed_at_float32_size(monkeypatch):

@@ -97,8 +97,9 @@ def cache_path() -> str:
     return os.path.join(cache_dir, "peak.json")
 
 
-def _peak(dtype: str, *, refresh: bool) -> tuple[float, bool]:
-    """(TFLOP/s, whether it was measured now rather than read from the cache)."""
+def _peak(dtype: str, *, refresh: bool) -> tuple[float, str]:
+    """(TFLOP/s, how it was found: 'measured', 'cached', or with `refresh`
+    'measured X.XXX, kept the cached figure' when the new probe was lower)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     key = _cache_key(dtype)
@@ -106,10 +107,12 @@ def _peak(dtype: str, *, refresh: bool) -> tuple[float, bool]:
     if not (isinstance(cached, (int, float)) and not isinstance(cached, bool) and cached > 0):
         cached = None
     if cached is not None and not refresh:
-        return float(cached), False
-    tflops = max(_measure_tflops(dtype), cached or 0.0)   # a loaded probe measures low
-    _write_cache_entry(key, tflops)
-    return tflops, True
+        return float(cached), "cached"
+    measured = _measure_tflops(dtype)
+    if cached is not None and cached > measured:   # a probe sharing the cores measures low
+        return float(cached), f"measured {measured:.3f}, kept the cached figure"
+    _write_cache_entry(key, measured)
+    return measured, "measured"
 
 
 def _start_size(dtype: str) -> int:
@@ -226,7 +229,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     print(hardware.describe())
     for dtype in dtypes:
-        tflops, measured = _peak(dtype, refresh=refresh)
-        print(f"{dtype}: {tflops:.3f} TFLOP/s ({'measured' if measured else 'cached'})",
-              flush=True)
+        tflops, how = _peak(dtype, refresh=refresh)
+        print(f"{dtype}: {tflops:.3f} TFLOP/s ({how})", flush=True)
     return 0

@@ -20,21 +20,27 @@ runs on:
     computes bf16 dots and convolutions in float32, faster than the emulated
     kernels (Keras fit on the cnn: 1114 vs 501 examples/s with XLA on vs off);
   - `optimizer` for bfloat16 on AMD CPUs with AVX512-BF16 (Zen 4 and later):
-    their bf16 dot products run at full rate (oneDNN bf16 matmul peak 0.515
-    TFLOP/s vs float32 0.400 on a 2-core EPYC), so oneDNN's native bf16
-    kernels beat XLA's float32 computation (default strategy, off vs step:
-    mlp 4189 vs 3171 and 4343 vs 3317, cnn 2392 vs 2099 and 2790 vs 2113),
-    and the fused update beats both: Adam's float32 update is memory-bound and
-    costs more than the whole bf16 backward pass when left unfused (off vs
-    optimizer vs step, two rounds in one process each, 2-core EPYC: mlp 4206
+    their bf16 dot products run at full rate (oneDNN bf16 matmul peak 0.84-0.88
+    TFLOP/s vs float32 0.44-0.51 on a quiet 2-core EPYC), so oneDNN's native
+    bf16 kernels beat XLA's float32 computation (default strategy, off vs
+    step: mlp 4189 vs 3171 and 4343 vs 3317, cnn 2392 vs 2099 and 2790 vs
+    2113), and the fused update beats both: Adam's float32 update is
+    memory-bound and costs more than the whole bf16 backward pass when left
+    unfused (off / optimizer / step, two rounds in one process each: mlp 4206
     / 5583 / 3158 and 4133 / 5392 / 3235, cnn 2336 / 2447 and 2122 / 2310,
-    transformer 1057 / 1082 / 1033 and 1116 / 1131 / 1091; under mirrored the
-    mlp 2311 / 3956 and 2631 / 3894);
+    transformer 1057 / 1082 / 1033 and 1116 / 1131 / 1091, a tie; bench/vs_fit
+    on a busier hour: mlp 3287 / 4162 / 2587, cnn 2283 / 2455 / 1518,
+    transformer 938 / 961 / 929). Under mirrored the mlp gained too (2311 /
+    3956 and 2135 / 3373) but the transformer lost (988 / 679): both
+    replicas' per-variable updates share two cores there, and the start-up
+    warning steers a CPU user to the default strategy anyway;
   - `step` for bfloat16 on Intel CPUs with AVX512-BF16 but no AMX (the
     2-core "Intel Xeon Processor" of README's vs_fit table): oneDNN's bf16
-    matmuls ran at half float32's rate there (0.141 vs 0.279 TFLOP/s), and
-    XLA won every bf16 row (tfdist on vs off, default strategy: mlp 2082 vs
-    1251, cnn 1190 vs 875, transformer 626 vs 429);
+    matmuls ran at half float32's rate there (0.141 vs 0.279 TFLOP/s, by the
+    first probe, which measured bf16 at 1024 and could read low), and XLA won
+    every bf16 row (tfdist on vs off, default strategy: mlp 2082 vs 1251, cnn
+    1190 vs 875, transformer 626 vs 429); the fused update alone was not
+    measured there;
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
     examples/s under the default strategy; 2545 optimizer vs 2479 off vs
