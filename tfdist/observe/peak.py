@@ -14,8 +14,8 @@ TensorFlow version, dtype, and the probe's own version. `tfdist-peak` prints
 the figures; `--refresh` measures again and keeps the higher of the two
 figures: a probe that shares the cores with other work (a test suite, a
 cluster's other processes starting up) can only measure too low, and a peak
-too low shows as an MFU above 100% (one such entry, 0.515 TFLOP/s bf16 on a
-2-core EPYC whose quiet figure is 0.88, made an mlp run read 102%).
+too low shows as an MFU above 100% (an entry of 0.515 TFLOP/s bf16 on a
+2-core EPYC whose quiet figure is 0.84-0.88 made an mlp run read 102%).
 """
 
 from __future__ import annotations
