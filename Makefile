@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tfdist-installed
+# keras-hub for the real-model tests, without its TensorFlow requirements
+# (its imports are pinned in setup.cfg's test extra; BUILD_NOTES.md).
+KERAS_HUB := keras-hub==0.32.0
 
 .PHONY: demo test unit install horovod slurm bench clean iproute2
 
@@ -12,11 +15,12 @@ install: $(STAMP)
 
 # The stamp is newer than setup.cfg/pyproject.toml once the pinned set is in,
 # so re-running make installs nothing.
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml Makefile
 	@set -e; start=$$(date +%s); \
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 	$(BIN)/python -m pip install --quiet --upgrade pip; \
 	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'; \
+	$(BIN)/python -m pip install --quiet --no-deps $(KERAS_HUB); \
 	echo $$(( $$(date +%s) - start )) > $(VENV)/.install-seconds; \
 	touch $@
 

@@ -22,6 +22,7 @@ Outside this module, tfdist code reads no `tensorflow.python`, `keras.src` or
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -551,6 +552,44 @@ def graph_function(graph, name: str):
     exists.
     """
     return _require(graph, "_get_function", "tensorflow Graph._get_function")(name)
+
+
+# -- DTensor: gradients of ops it cannot lay out ------------------------------------
+
+@contextlib.contextmanager
+def gradient_overridden(op_type: str, gradient):
+    """Within: TensorFlow takes `gradient(op, grad)` as op type `op_type`'s gradient.
+
+    What: the entry of `op_type` in TensorFlow's private gradient registry
+    (`tensorflow.python.framework.ops._gradient_registry`), which both the
+    tape (`backprop._gradient_function`) and `tf.gradients` look up when they
+    differentiate an op; restored on exit. Why: DTensor (2.21) has no layout
+    rule for some gradient ops (a depthwise convolution's two); the DTensor
+    engine takes those gradients with ops it can shard while it traces a step
+    (`tfdist/strategies/dtensor_ops.py`, BUILD_NOTES: depthwise convolutions
+    under DTensor). A public `tf.RegisterGradient` cannot replace an entry,
+    and `gradient_override_map` is not consulted by the tape. Verified:
+    tensorflow 2.21.0. Check: the registry, its entry dict and the tape's
+    lookup through it exist (`tests/test_compat.py` fails without the patch).
+    """
+    from tensorflow.python.eager import backprop
+    from tensorflow.python.framework import ops
+    registry = getattr(ops, "_gradient_registry", None)
+    entries = getattr(registry, "_registry", None)
+    if not isinstance(entries, dict) or op_type not in entries or \
+            not _code_reads(backprop._gradient_function, "_gradient_registry"):
+        raise _changed(f"tensorflow's gradient registry entry for {op_type!r}")
+    from tensorflow.python.framework import registry as registry_module
+    tag = getattr(registry_module, "_TYPE_TAG", None)
+    entry = entries[op_type]
+    if tag not in entry or not callable(entry[tag]):
+        raise _changed(f"tensorflow's gradient registry entry for {op_type!r}", "has no function")
+    original = entry[tag]
+    entry[tag] = gradient
+    try:
+        yield
+    finally:
+        entry[tag] = original
 
 
 # -- DTensor: how stage 3 (FSDP) gathers --------------------------------------------

@@ -12,9 +12,12 @@ from tfdist.data.spec import DatasetSpec
 DatasetFn = Callable[[str, tf.distribute.InputContext], tf.data.Dataset]
 
 
-def shard(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
-    """This pipeline's share of `dataset`, by example (a helper for `dataset_fn`s)."""
-    if context.num_input_pipelines == 1:
+def shard(dataset: tf.data.Dataset,
+          context: Optional[tf.distribute.InputContext]) -> tf.data.Dataset:
+    """This pipeline's share of `dataset`, by example (a helper for `dataset_fn`s).
+    `context` None (a `dataset_fn` called outside training) is one pipeline:
+    the whole dataset."""
+    if context is None or context.num_input_pipelines == 1:
         return dataset
     return dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
 

@@ -51,7 +51,7 @@ from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import TensorSharding
 from tfdist.observe import hardware, logs
 from tfdist.strategies import watchdog
-from tfdist.strategies import dtensor_updates, multi_worker
+from tfdist.strategies import dtensor_ops, dtensor_updates, multi_worker
 
 
 def _keras_path(initial_value, name: str) -> str:
@@ -452,11 +452,14 @@ class DTensorStrategy(Strategy, TensorSharding):
 
     @contextlib.contextmanager
     def compute_scope(self):
-        """Reads of ZeRO-3 variables in here take their compute layout (see
-        `MeshVariable`): the trainer's forward and backward passes."""
+        """The trainer's forward and backward passes: reads of ZeRO-3 variables
+        in here take their compute layout (see `MeshVariable`), and gradients
+        of ops DTensor cannot lay out are taken with ops it can
+        (`dtensor_ops`)."""
         before, _gathering.active = _gathering.active, True
         try:
-            yield
+            with dtensor_ops.shardable_gradients():
+                yield
         finally:
             _gathering.active = before
 

@@ -1,0 +1,120 @@
+"""Gradients of ops that DTensor (TF 2.21) has no layout rule for, written
+with ops it can shard; installed only while the DTensor engine traces a step.
+
+A depthwise convolution (`tf.nn.depthwise_conv2d`, under Keras's
+`DepthwiseConv2D` and `SeparableConv2D`, EfficientNet, MobileNet, Xception)
+lowers forward on a mesh, but neither of its gradient ops does
+(`DepthwiseConv2dNativeBackpropInput` and `...BackpropFilter` "do not
+implement layout propagation", on any mesh, also after a relayout of their
+inputs to replicated). Their math is k·k shifted slices of the input times a
+per-channel weight:
+
+    y[b, h, w, c·M + m] = Σ_ij x_pad[b, h·s + i·d, w·s + j·d, c] · W[i, j, c, m]
+
+so for each kernel tap (i, j):
+
+    dW[i, j, c, m]   = Σ_bhw x_pad[b, h·s + i·d, w·s + j·d, c] · dy[b, h, w, c, m]
+    dx_pad[.. tap ..] += Σ_m dy[b, h, w, c, m] · W[i, j, c, m]
+
+Slices, products, sums, pads and reshapes all have DTensor rules. The forward
+pass stays the native op; the backward pass recomputes each tap's slice from
+the input kept for the native gradient (nothing k² times the activations is
+kept from the forward pass). Each tap's terms are transient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from tfdist import compat
+
+DEPTHWISE = "DepthwiseConv2dNative"
+
+
+def _pads(padding: str, explicit, size: int, out: int, kernel: int, stride: int,
+          dilation: int, dim: int) -> tuple:
+    """(before, after) padding of spatial dimension `dim` (1 or 2 in NHWC)."""
+    if padding == "VALID":
+        return 0, 0
+    if padding == "EXPLICIT":
+        return int(explicit[2 * dim]), int(explicit[2 * dim + 1])
+    total = max((out - 1) * stride + (kernel - 1) * dilation + 1 - size, 0)   # SAME
+    return total // 2, total - total // 2
+
+
+def _spread(g, stride_h: int, stride_w: int, rows: int, cols: int):
+    """[B, Ho, Wo, C] placed at every `stride`-th position of a zero
+    [B, rows, cols, C] (rows = (Ho-1)·stride_h + 1)."""
+    if stride_h == 1 and stride_w == 1:
+        return g
+    _, ho, wo, c = g.shape
+    g = g[:, :, None, :, None, :]
+    g = tf.pad(g, [[0, 0], [0, 0], [0, stride_h - 1], [0, 0], [0, stride_w - 1], [0, 0]])
+    g = tf.reshape(g, [-1, ho * stride_h, wo * stride_w, c])
+    return g[:, :rows, :cols, :]
+
+
+def depthwise_gradients(x, kernel, dy, *, strides, padding: str, dilations,
+                        explicit_paddings=()):
+    """(dx, dkernel) of `tf.nn.depthwise_conv2d(x, kernel, ...)` for output
+    gradient `dy`, all NHWC; `strides`/`dilations` as the op's 4-vectors."""
+    k_h, k_w, channels, multiplier = kernel.shape
+    _, height, width, _ = x.shape
+    _, out_h, out_w, _ = dy.shape
+    if None in (k_h, k_w, channels, multiplier, height, width, out_h, out_w):
+        raise ValueError("a depthwise convolution's gradient on a mesh needs static spatial "
+                         f"shapes; got input {x.shape}, kernel {kernel.shape}, output {dy.shape}")
+    s_h, s_w, d_h, d_w = strides[1], strides[2], dilations[1], dilations[2]
+    top, bottom = _pads(padding, explicit_paddings, height, out_h, k_h, s_h, d_h, 1)
+    left, right = _pads(padding, explicit_paddings, width, out_w, k_w, s_w, d_w, 2)
+    x_pad = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
+    padded_h, padded_w = height + top + bottom, width + left + right
+    rows, cols = (out_h - 1) * s_h + 1, (out_w - 1) * s_w + 1
+    dy5 = tf.reshape(dy, [-1, out_h, out_w, channels, multiplier])
+    taps, dx_pad = [], None
+    for i in range(k_h):
+        for j in range(k_w):
+            tap = x_pad[:, i * d_h:i * d_h + rows:s_h, j * d_w:j * d_w + cols:s_w, :]
+            taps.append(tf.reduce_sum(tap[..., None] * dy5, axis=[0, 1, 2]))
+            g = tf.reduce_sum(dy5 * kernel[i, j], axis=-1)
+            g = tf.pad(_spread(g, s_h, s_w, rows, cols),
+                       [[0, 0], [i * d_h, padded_h - i * d_h - rows],
+                        [j * d_w, padded_w - j * d_w - cols], [0, 0]])
+            dx_pad = g if dx_pad is None else dx_pad + g
+    dkernel = tf.reshape(tf.stack(taps), [k_h, k_w, channels, multiplier])
+    dx = dx_pad[:, top:top + height, left:left + width, :]
+    return dx, dkernel
+
+
+def _attr(op, name):
+    value = op.get_attr(name)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _depthwise_grad(op, grad):
+    """The registered gradient of `DepthwiseConv2dNative`, as `depthwise_gradients`."""
+    x, kernel = op.inputs[0], op.inputs[1]
+    fmt = _attr(op, "data_format")
+    strides, dilations = list(_attr(op, "strides")), list(_attr(op, "dilations"))
+    explicit = list(_attr(op, "explicit_paddings"))
+    if fmt == "NCHW":   # to NHWC and back
+        x, grad = tf.transpose(x, [0, 2, 3, 1]), tf.transpose(grad, [0, 2, 3, 1])
+        strides = [strides[0], strides[2], strides[3], strides[1]]
+        dilations = [dilations[0], dilations[2], dilations[3], dilations[1]]
+        if explicit:
+            explicit = explicit[0:2] + explicit[4:8] + explicit[2:4]
+    dx, dkernel = depthwise_gradients(x, kernel, grad, strides=strides,
+                                      padding=_attr(op, "padding"), dilations=dilations,
+                                      explicit_paddings=explicit)
+    if fmt == "NCHW":
+        dx = tf.transpose(dx, [0, 3, 1, 2])
+    return dx, dkernel
+
+
+@contextlib.contextmanager
+def shardable_gradients():
+    """Within: gradients of the ops above are taken as written here."""
+    with compat.gradient_overridden(DEPTHWISE, _depthwise_grad):
+        yield
