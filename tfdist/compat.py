@@ -592,6 +592,68 @@ def gradient_overridden(op_type: str, gradient):
         entry[tag] = original
 
 
+@contextlib.contextmanager
+def custom_gradients_on_tape():
+    """Within: a `tf.custom_gradient` traced into a graph records its gradient
+    on the tape only, as it does eagerly, instead of wrapping its results,
+    inputs and variables in one `IdentityN` op with a gradient override.
+
+    What: `tensorflow.python.ops.custom_gradient._graph_mode_decorator`, which
+    `tf.custom_gradient`'s wrapper looks up at each call, replaced by the same
+    module's `_eager_mode_decorator` (tape recording plus an `Identity` per
+    result; it runs on graph tensors as well). Why: DTensor (TF 2.21) fails to
+    lower that `IdentityN` when an input is a constant or an integer ("operand
+    #0 does not dominate this use", dtensor_graph_to_mlir_pass.cc): SiLU's
+    `beta`, a user's own `tf.custom_gradient(x, n)`. tfdist differentiates
+    the step with a `tf.GradientTape` inside the traced function, which sees
+    the recorded gradient; only `tf.gradients` of the traced graph would not,
+    and tfdist never calls it there. Verified: tensorflow 2.21.0. Check: both
+    functions exist and the wrapper still reads the name it replaces
+    (`tests/test_user_models.py` fails to compile without it).
+    """
+    module, _, eager_mode = _custom_gradient_modes()
+    with _custom_gradient_mode(module, eager_mode):
+        yield
+
+
+def graph_custom_gradient(f, x):
+    """`tf.custom_gradient(f)(x)` as TensorFlow traces it into a graph (one
+    `IdentityN` with a gradient override), also within
+    `custom_gradients_on_tape`, for tfdist's ZeRO-3 per-layer gather: its
+    backward pass recomputes the layer, and recorded on the tape only, its
+    orderings (`_zero_after`) formed a cycle ("601 nodes in a cycle"). Its
+    input is a float tensor, which DTensor lowers. Custom gradients inside
+    `f` follow the current mode."""
+    _, graph_mode, _ = _custom_gradient_modes()
+    return graph_mode(f, (x,), {})
+
+
+_CUSTOM_GRADIENT_MODES = []   # (module, TensorFlow's graph-mode decorator, eager-mode)
+
+
+def _custom_gradient_modes():
+    if not _CUSTOM_GRADIENT_MODES:
+        from tensorflow.python.ops import custom_gradient as module
+        graph_mode = _require(module, "_graph_mode_decorator",
+                              "tensorflow custom_gradient._graph_mode_decorator")
+        eager_mode = _require(module, "_eager_mode_decorator",
+                              "tensorflow custom_gradient._eager_mode_decorator")
+        if not _code_reads(module.custom_gradient, "_graph_mode_decorator"):
+            raise _changed("tensorflow custom_gradient._graph_mode_decorator",
+                           "is no longer called by tf.custom_gradient")
+        _CUSTOM_GRADIENT_MODES.append((module, graph_mode, eager_mode))
+    return _CUSTOM_GRADIENT_MODES[0]
+
+
+@contextlib.contextmanager
+def _custom_gradient_mode(module, decorator):
+    before, module._graph_mode_decorator = module._graph_mode_decorator, decorator
+    try:
+        yield
+    finally:
+        module._graph_mode_decorator = before
+
+
 # -- DTensor: how stage 3 (FSDP) gathers --------------------------------------------
 
 _GATHER_ENV = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"

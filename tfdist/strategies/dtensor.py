@@ -163,7 +163,6 @@ def _gathered_per_layer(layer, call):
             finally:
                 _gathering.after = before
 
-        @tf.custom_gradient
         def forward(x):
             y = waiting_for([x], lambda: call(x, *rest, **kwargs))
 
@@ -194,7 +193,7 @@ def _gathered_per_layer(layer, call):
 
             return y, backward
 
-        return forward(args[0])
+        return compat.graph_custom_gradient(forward, args[0])
 
     return gathered_call
 
@@ -458,7 +457,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         (`dtensor_ops`)."""
         before, _gathering.active = _gathering.active, True
         try:
-            with dtensor_ops.shardable_gradients():
+            with dtensor_ops.shardable_gradients(), compat.custom_gradients_on_tape():
                 yield
         finally:
             _gathering.active = before

@@ -1,0 +1,274 @@
+"""Models users bring, under DTensor: custom gradients, depthwise convolutions
+and a real keras-hub Llama, each trained like one device.
+
+DTensor (TF 2.21) cannot lower a custom gradient with a constant input traced
+in a while loop's body (SiLU's), nor lay out a depthwise convolution's
+gradient ops; tfdist traces the step behind a call boundary and takes those
+gradients with ops DTensor can shard (`tfdist/strategies/dtensor_ops.py`).
+In-process, on the 4 logical CPUs conftest configures; weights compared with
+`test_dtensor._assert_matches` (1e-5 relative, allowing for Adam).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist import compat
+from tfdist.data.spec import DatasetSpec
+from tfdist.strategies import dtensor_ops
+
+from common import run_config, token_dataset_fn_for
+from test_dtensor import _assert_matches
+
+IMAGES = DatasetSpec(name="random_images", kind="image", input_shape=(8, 8, 4), num_classes=4,
+                     train_examples=128, eval_examples=32)
+
+
+def image_dataset_fn(split, context):
+    rng = np.random.default_rng(2 if split == "train" else 3)
+    n = IMAGES.train_examples if split == "train" else IMAGES.eval_examples
+    x = rng.normal(size=(n, *IMAGES.input_shape)).astype(np.float32)
+    return tfdist.shard(tf.data.Dataset.from_tensor_slices(
+        (x, rng.integers(IMAGES.num_classes, size=n).astype(np.int32))), context)
+
+
+def _config(strategy, mesh=None, zero=0, steps=4):
+    config = run_config("default", optimizer="adam", learning_rate=0.01, steps=steps, batch=16)
+    return config.replace(strategy=tfdist.StrategyConfig(
+        name=strategy, virtual_devices=4 if strategy == "dtensor" else 2,
+        zero_stage=zero, **({"mesh": mesh} if mesh else {})))
+
+
+# -- custom gradients -----------------------------------------------------------
+
+@tf.custom_gradient
+def _scaled_swish(x, beta):
+    """A user's own custom gradient with a constant input (as `tf.nn.silu`)."""
+    s = tf.sigmoid(beta * x)
+
+    def grad(dy):
+        return dy * (s + beta * x * s * (1 - s)), None
+
+    return x * s, grad
+
+
+@tf.custom_gradient
+def _times_count(x, count):
+    """A custom gradient with an integer input."""
+    factor = tf.cast(count, x.dtype)
+    return x * factor, lambda dy: (dy * factor, None)
+
+
+@keras.ops.custom_gradient
+def _softsign(x):
+    def grad(*args, upstream=None):
+        upstream = args[0] if upstream is None else upstream
+        return upstream / tf.square(1 + tf.abs(x))
+    return x / (1 + tf.abs(x)), grad
+
+
+class SwishDense(keras.layers.Layer):
+    """A layer with its own weight whose call ends in a custom gradient: under
+    ZeRO-3 it runs inside the layer's per-layer gather (itself a custom
+    gradient)."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], self.units), name="kernel")
+
+    def call(self, x):
+        return _scaled_swish(x @ self.kernel, tf.constant(1.5))
+
+
+def custom_gradient_model(spec):
+    tokens = keras.Input(spec.input_shape, dtype="int32")
+    x = keras.layers.Embedding(spec.num_classes, 16, name="embed")(tokens)
+    x = keras.layers.Dense(16, name="a")(x)
+    x = keras.layers.Lambda(tf.nn.silu)(x)
+    x = keras.layers.Dense(16, activation="silu", name="b")(x)           # keras.ops.silu
+    x = keras.layers.Lambda(_softsign)(keras.layers.Dense(16, name="c")(x))
+    x = keras.layers.Lambda(lambda t: _times_count(t, tf.constant(2)))(x)
+    x = SwishDense(16, name="d")(x)
+    return keras.Model(tokens, keras.layers.Dense(spec.num_classes, name="logits")(x))
+
+
+TOKENS = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(8,), num_classes=8,
+                     train_examples=128, eval_examples=32)
+# Tensor parallel: each layer's kernel split on `model` (columns, then rows).
+CUSTOM_RULES = [(r"embed/embeddings", (None, "model")), (r"(a|c)/kernel", (None, "model")),
+                (r"(b|d)/kernel", ("model", None)), (r"logits/kernel", (None, "model"))]
+
+
+@pytest.fixture(scope="module")
+def custom_gradient_reference():
+    keras.utils.set_random_seed(1)
+    initial = custom_gradient_model(TOKENS).get_weights()
+    return initial, _train_custom(_config("default"), initial)
+
+
+def _train_custom(config, initial, rules=None):
+    def model_fn(spec):
+        model = custom_gradient_model(spec)
+        model.set_weights(initial)
+        return model
+
+    return tfdist.train(config, model_fn=model_fn, dataset_fn=token_dataset_fn_for(TOKENS),
+                        spec=TOKENS, layout_rules=rules)
+
+
+@pytest.mark.parametrize("mesh,zero,rules", [
+    ("batch:4,model:1", 0, None), ("batch:2,model:2", 0, CUSTOM_RULES),
+    ("batch:4,model:1", 3, None)], ids=["batch", "2x2", "zero3"])
+def test_custom_gradients_train_like_one_device(custom_gradient_reference, mesh, zero, rules):
+    """`tf.nn.silu`, `keras.ops.silu`, `keras.ops.custom_gradient` and a user's
+    own `tf.custom_gradient` with a constant and an integer input (one inside
+    a ZeRO-3 layer's gather) compile on every mesh and train as one device."""
+    initial, reference = custom_gradient_reference
+    result = _train_custom(_config("dtensor", mesh, zero), initial, rules)
+    _assert_matches(result, reference, initial)
+    if rules or zero:   # the split took effect: no device holds every weight
+        whole = sum(w.nbytes for w in initial)
+        assert result.summary["device_parameter_bytes"] < whole
+
+
+# -- depthwise convolutions --------------------------------------------------------
+
+def depthwise_model(spec, separable=True):
+    """EfficientNet's and MobileNet's pieces: a strided depthwise convolution,
+    a separable one, swish (a custom gradient) and BatchNormalization."""
+    x = inputs = keras.Input(spec.input_shape)
+    # No bias before BatchNormalization (as EfficientNet): its exact gradient
+    # is 0, which Adam turns into noise-sized steps of either sign.
+    x = keras.layers.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2,
+                                     use_bias=False, name="dw")(x)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.Activation("swish")(x)
+    if separable:
+        x = keras.layers.SeparableConv2D(8, 3, padding="valid", name="sep")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes, name="logits")(x))
+
+
+@pytest.fixture(scope="module")
+def depthwise_references():
+    references = {}
+    for separable in (True, False):
+        keras.utils.set_random_seed(2)
+        initial = depthwise_model(IMAGES, separable).get_weights()
+        references[separable] = initial, _train_depthwise(_config("default"), initial, separable)
+    return references
+
+
+def _train_depthwise(config, initial, separable=True):
+    def model_fn(spec):
+        model = depthwise_model(spec, separable)
+        model.set_weights(initial)
+        return model
+
+    return tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGES)
+
+
+# ZeRO-3 without the separable convolution: this process's DTensor programs
+# compile with DTensor's all-reduce combiner (conftest), which a ZeRO-3 run
+# started first turns off; with it on, a separable layer's two gathers formed
+# a cycle ("362 nodes in a cycle"; BUILD_NOTES). Its ZeRO-3 run alone trains.
+@pytest.mark.parametrize("zero,separable", [(0, True), (3, False)], ids=["batch", "zero3"])
+def test_depthwise_convolutions_train_like_one_device(depthwise_references, zero, separable):
+    initial, reference = depthwise_references[separable]
+    _assert_matches(_train_depthwise(_config("dtensor", "batch:4,model:1", zero), initial,
+                                     separable), reference, initial)
+
+
+@pytest.mark.parametrize("kernel,stride,dilation,padding,multiplier,size", [
+    (3, 1, 1, "SAME", 1, 8), (3, 2, 1, "SAME", 1, 9), (5, 2, 1, "SAME", 2, 11),
+    (3, 1, 2, "VALID", 1, 10), (3, 2, 1, "VALID", 3, 8), (1, 1, 1, "VALID", 1, 4)])
+def test_depthwise_gradients_match_the_native_op(kernel, stride, dilation, padding,
+                                                 multiplier, size):
+    """The rewrite's gradients against TensorFlow's own, on one device:
+    float32 sums of k² terms in another order (≤ 1e-5 relative)."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, size, size + 1, 4)), tf.float32)
+    w = tf.constant(rng.normal(size=(kernel, kernel, 4, multiplier)), tf.float32)
+
+    def gradients():
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.depthwise_conv2d(x, w, [1, stride, stride, 1], padding,
+                                       dilations=[dilation, dilation])
+        dy = tf.constant(np.random.default_rng(1).normal(size=y.shape), tf.float32)
+        return tape.gradient(y, [x, w], output_gradients=dy)
+
+    native = gradients()
+    with dtensor_ops.shardable_gradients():
+        ours = gradients()
+    for a, b in zip(native, ours):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5,
+                                   atol=1e-5 * float(tf.reduce_max(tf.abs(a))))
+
+
+def test_depthwise_gradient_override_is_scoped():
+    """The override is TensorFlow's registered gradient only inside the scope
+    (the compat patch takes effect, and is undone)."""
+    from tensorflow.python.framework import ops
+    before = ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE)
+    with compat.gradient_overridden(dtensor_ops.DEPTHWISE, dtensor_ops._depthwise_grad):
+        assert ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE) is \
+            dtensor_ops._depthwise_grad
+    assert ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE) is before
+
+
+# -- a real keras-hub Llama ---------------------------------------------------------
+
+LLAMA_TOKENS = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(16,),
+                           num_classes=32, train_examples=128, eval_examples=32)
+
+
+def llama_model(spec):
+    """keras-hub's own LlamaBackbone (SiLU FFN, tied embeddings) as a
+    next-token model."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=spec.num_classes, num_layers=1, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32, dropout=0)
+    tokens = keras.Input(spec.input_shape, dtype="int32")
+    hidden = backbone({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+    return keras.Model(tokens, backbone.token_embedding(hidden, reverse=True))
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    keras.utils.set_random_seed(3)
+    initial = llama_model(LLAMA_TOKENS).get_weights()
+    return initial, _train_llama(_config("default", steps=3), initial)
+
+
+def _train_llama(config, initial, rules=None):
+    def model_fn(spec):
+        model = llama_model(spec)
+        model.set_weights(initial)
+        return model
+
+    return tfdist.train(config, model_fn=model_fn, dataset_fn=token_dataset_fn_for(LLAMA_TOKENS),
+                        spec=LLAMA_TOKENS, layout_rules=rules)
+
+
+@pytest.mark.parametrize("mesh,zero", [("batch:2,model:2", 0), ("batch:4,model:1", 3)],
+                         ids=["own_layout_map", "zero3"])
+def test_keras_hub_llama_trains_like_one_device(llama_reference, mesh, zero):
+    """Llama under tensor parallelism with keras-hub's own `get_layout_map`,
+    and under ZeRO-3; each device holds less than the whole model."""
+    keras_hub = pytest.importorskip("keras_hub")
+    initial, reference = llama_reference
+    rules = None
+    if not zero:
+        device_mesh = keras.distribution.DeviceMesh(
+            (2, 2), ["batch", "model"], devices=[f"cpu:{i}" for i in range(4)])
+        rules = keras_hub.models.LlamaBackbone.get_layout_map(device_mesh)
+    result = _train_llama(_config("dtensor", mesh, zero, steps=3), initial, rules)
+    _assert_matches(result, reference, initial)
+    assert result.summary["device_parameter_bytes"] < sum(w.nbytes for w in initial)
