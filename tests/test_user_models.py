@@ -272,3 +272,42 @@ def test_keras_hub_llama_trains_like_one_device(llama_reference, mesh, zero):
     result = _train_llama(_config("dtensor", mesh, zero, steps=3), initial, rules)
     _assert_matches(result, reference, initial)
     assert result.summary["device_parameter_bytes"] < sum(w.nbytes for w in initial)
+
+
+# -- what DTensor cannot lay out ------------------------------------------------------
+
+def _probe_model(layer):
+    def model_fn(spec):
+        x = inputs = keras.Input(spec.input_shape)
+        x = layer(x)
+        if len(x.shape) > 2:
+            x = keras.layers.GlobalAveragePooling2D()(x)
+        return keras.Model(inputs, keras.layers.Dense(spec.num_classes, name="logits")(x))
+    return model_fn
+
+
+def test_a_layer_dtensor_cannot_lay_out_is_refused_before_compiling():
+    """An LSTM (TensorLists, no DTensor rule): one line naming the layer and
+    the op, a `UsageError` (exit 2) raised on the traced graph, before DTensor
+    lowers it."""
+    lstm = keras.Sequential([keras.layers.Reshape((8, 32)), keras.layers.LSTM(4)],
+                            name="users_lstm")
+    with pytest.raises(tfdist.UsageError, match=r"layer 'users_lstm' uses the TensorFlow op "
+                       r"TensorList\w+, which DTensor .* cannot lay out"):
+        tfdist.train(_config("dtensor", "batch:4,model:1", steps=2), model_fn=_probe_model(lstm),
+                     dataset_fn=image_dataset_fn, spec=IMAGES)
+
+
+def test_a_lowering_error_is_one_line_naming_the_op():
+    """A convolution kernel split on `model` (DTensor wants its filter
+    replicated) fails to compile: one line naming the op, not the compiler's
+    pages."""
+    from tfdist.errors import WorkerFault
+    conv = keras.layers.Conv2D(8, 3, name="users_conv")
+    with pytest.raises(WorkerFault) as failure:
+        tfdist.train(_config("dtensor", "batch:2,model:2", steps=2), model_fn=_probe_model(conv),
+                     dataset_fn=image_dataset_fn, spec=IMAGES,
+                     layout_rules=[(r"users_conv/kernel", (None, None, None, "model"))])
+    message = str(failure.value)
+    assert message.startswith("worker 0: DTensor cannot compile the step: op Conv2D: ")
+    assert "\n" not in message

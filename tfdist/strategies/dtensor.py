@@ -262,6 +262,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         self._var_layouts = {}     # id(trainable variable) -> its stored layout
         self.zero = config.zero  # the ZeRO stage (--zero_stage)
         self._predict_fns = {}   # (id(model), input structure) -> traced forward pass
+        self._layer_names = set()  # the model's layers, to name one in a refusal
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -331,11 +332,6 @@ class DTensorStrategy(Strategy, TensorSharding):
     @property
     def _clients(self) -> bool:
         return self._spec is not None and self._spec.num_workers > 1
-
-    def describe_fault(self, error: Exception) -> str:
-        if not self._clients:
-            return super().describe_fault(error)
-        return multi_worker.describe_peer_fault(self._spec, self.worker_index, error)
 
     def check_config(self, config) -> None:
         if config.train.grad_agreement_every:
@@ -441,6 +437,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         layer with non-trainable state (BatchNormalization): recomputing it in
         the backward pass would update its state twice; its weights are then
         gathered as any read is, and kept from the forward to the backward pass."""
+        self._layer_names = {layer.name for layer in compat.model_layers(model)}
         if self.zero < 3:
             return
         for layer in compat.model_layers(model):
@@ -554,6 +551,7 @@ class DTensorStrategy(Strategy, TensorSharding):
     # -- stepping ----------------------------------------------------------
     def host_function(self, fn):
         compiled = tf.function(fn, autograph=False)
+        scanned = set()
 
         @functools.wraps(fn)
         def call(*args):
@@ -561,10 +559,42 @@ class DTensorStrategy(Strategy, TensorSharding):
                     if isinstance(a, tf.Tensor) and not dtensor.is_dtensor(a) else a
                     for a in args]
             with dtensor.default_mesh(self.mesh):
+                self._refuse_unlowerable(compiled, args, scanned)
                 result = compiled(*args)
             return tf.nest.map_structure(self.to_host, result)
 
         return call
+
+    def _refuse_unlowerable(self, compiled, args, scanned) -> None:
+        """Before DTensor compiles a newly traced program: a `UsageError`
+        naming the layer and op when it holds an op DTensor cannot lay out
+        (`dtensor_ops.ops_without_rules`), rather than a compiler error
+        after minutes of lowering."""
+        concrete = compiled.get_concrete_function(*args)
+        if concrete.name in scanned:
+            return
+        scanned.add(concrete.name)
+        found = dtensor_ops.ops_without_rules(concrete.graph.as_graph_def())
+        if found:
+            op, node = found[0]
+            layer = dtensor_ops.layer_of(node, self._layer_names)
+            raise UsageError(
+                f"layer {layer!r} uses the TensorFlow op {op}, which DTensor (TensorFlow "
+                f"{tf.__version__}) cannot lay out; --strategy=dtensor cannot train this model "
+                "(docs/dtensor_coverage.md): train it under default, mirrored, multi_worker or "
+                "horovod")
+
+    def describe_fault(self, error: Exception) -> str:
+        """A DTensor compile error as one line naming the op; a peer's fault
+        as `multi_worker` names it."""
+        lowering = dtensor_ops.lowering_error(str(getattr(error, "message", error)))
+        if lowering is not None:
+            op, reason = lowering
+            return (f"worker {self.worker_index}: DTensor cannot compile the step: op {op}: "
+                    f"{reason}")
+        if not self._clients:
+            return super().describe_fault(error)
+        return multi_worker.describe_peer_fault(self._spec, self.worker_index, error)
 
     def to_host(self, value):
         """A DTensor or mesh variable as an ordinary host tensor."""

@@ -25,6 +25,7 @@ kept from the forward pass). Each tap's terms are transient.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import tensorflow as tf
 
@@ -118,3 +119,52 @@ def shardable_gradients():
     """Within: gradients of the ops above are taken as written here."""
     with compat.gradient_overridden(DEPTHWISE, _depthwise_grad):
         yield
+
+
+# -- what DTensor cannot lay out, found before it compiles ------------------------
+
+# Op types seen to fail DTensor's lowering on TF 2.21 ("does not implement
+# layout propagation"; `make audit`, docs/dtensor_coverage.md): RNN layers'
+# TensorLists, Bidirectional's ReverseV2, the softplus gradient, ZeRO-3's
+# RNN MatrixDiagPartV3, SpectralNormalization's OptionalNone. An op outside
+# `dtensor_rules.OPS_WITH_RULES` is refused only once it was seen to fail:
+# many others (variable reads, the input iterator) are lowered by DTensor's
+# passes without a rule.
+SEEN_WITHOUT_RULE = frozenset({
+    "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput", "SoftplusGrad",
+    "ReverseV2", "MatrixDiagPartV3", "OptionalNone", "TensorListFromTensor",
+    "TensorListStack", "TensorListLength", "TensorListElementShape", "TensorListPushBack",
+    "TensorListPopBack", "TensorListConcatV2", "TensorListSplit", "TensorListGather",
+    "TensorListScatterIntoExistingList", "TensorListResize"})
+
+
+def ops_without_rules(graph_def) -> list:
+    """(op type, node name) of every op of `graph_def` (its functions too)
+    that DTensor has no layout rule for and was seen to fail."""
+    from tfdist.strategies import dtensor_rules
+    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    return [(n.op, n.name) for n in nodes
+            if n.op in SEEN_WITHOUT_RULE and n.op not in dtensor_rules.OPS_WITH_RULES]
+
+
+def layer_of(node_name: str, layer_names) -> str:
+    """The model layer whose name scope holds `node_name` (the longest layer
+    name among its path's parts), else the node's name scope."""
+    parts = node_name.split("/")
+    # Keras's name scopes may add a call count: `my_lstm_1` for `my_lstm`.
+    stems = {*parts, *(re.sub(r"_\d+$", "", part) for part in parts)}
+    found = [name for name in layer_names if name in stems]
+    return max(found, key=len) if found else "/".join(parts[:-1]) or node_name
+
+
+def lowering_error(message: str):
+    """(op, one-line reason) from a DTensor compile error's text, or None
+    when it is not one."""
+    if "dtensor" not in message.lower() and "layout propagation" not in message:
+        return None
+    found = re.search(r"'tf\.(\w+)' op (.+)", message) or \
+        re.search(r'see current operation: .*?"tf\.(\w+)"', message)
+    reason = re.search(r"error: ([^\n]+)", message)
+    if not found or not reason:
+        return None
+    return found.group(1), reason.group(1).split("\n")[0].strip()[:300]
