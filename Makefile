@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.tfdist-installed
 # (its imports are pinned in setup.cfg's test extra; BUILD_NOTES.md).
 KERAS_HUB := keras-hub==0.32.0
 
-.PHONY: demo test unit install horovod slurm bench clean iproute2
+.PHONY: demo test unit install horovod slurm bench clean iproute2 conformance audit
 
 install: $(STAMP)
 
@@ -76,6 +76,19 @@ bench: $(STAMP) iproute2
 	$(BIN)/python bench/dtensor.py
 	$(BIN)/python bench/parameter_server.py
 	$(BIN)/python bench/slow_link.py
+
+# Every Keras 3 built-in layer with weights trained under dtensor on four meshes
+# (and ZeRO-3) against the default engine, in one process (~15 minutes on 2 cores);
+# writes the layer x mesh table to docs/dtensor_coverage.md.
+audit: $(STAMP)
+	$(BIN)/python conformance/dtensor_audit.py --out docs/dtensor_coverage.md
+
+# Real users' models (keras-hub CausalLMs, BERT, ViT, keras.applications CNNs)
+# x every engine, each cell checked against one device, exported and
+# reloaded; writes docs/conformance.md (conformance/README.md: what it costs).
+# Not part of `make test`.
+conformance: $(STAMP)
+	$(BIN)/python conformance/matrix.py --out docs/conformance.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info
