@@ -311,3 +311,86 @@ def test_a_lowering_error_is_one_line_naming_the_op():
     message = str(failure.value)
     assert message.startswith("worker 0: DTensor cannot compile the step: op Conv2D: ")
     assert "\n" not in message
+
+
+# -- fine-tuning as users do it ---------------------------------------------------------
+
+def _lora_llama(spec, initial):
+    """The Llama of `llama_model` from `initial`, with keras-hub's LoRA on its
+    attention's query and value projections (rank 2)."""
+    model = llama_model(spec)
+    model.set_weights(initial)
+    backbone = next(layer for layer in model.layers if hasattr(layer, "enable_lora"))
+    backbone.enable_lora(2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_runs(llama_reference):
+    """keras-hub LoRA trained under mirrored and under dtensor 2x2 (Llama's own
+    map), each from the same weights."""
+    keras_hub = pytest.importorskip("keras_hub")
+    initial, _ = llama_reference
+    keras.utils.set_random_seed(4)
+    device_mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], devices=[f"cpu:{i}" for i in range(4)])
+    runs = {}
+    for name, config, rules in (
+            ("mirrored", _config("mirrored", steps=3), None),
+            ("dtensor", _config("dtensor", "batch:2,model:2", steps=3),
+             keras_hub.models.LlamaBackbone.get_layout_map(device_mesh))):
+        runs[name] = tfdist.train(config, model_fn=lambda spec: _lora_llama(spec, initial),
+                                  dataset_fn=token_dataset_fn_for(LLAMA_TOKENS),
+                                  spec=LLAMA_TOKENS, layout_rules=rules)
+    return initial, runs
+
+
+@pytest.mark.parametrize("engine", ["mirrored", "dtensor"])
+def test_lora_updates_and_reduces_only_the_adapters(lora_runs, engine):
+    """Frozen weights stay bit for bit as loaded, only the LoRA weights move,
+    the optimizer holds slots for them alone, and (mirrored) only their
+    gradients are reduced."""
+    initial, runs = lora_runs
+    result = runs[engine]
+    model = result.model
+    lora = [v for v in model.trainable_variables]
+    assert lora and all("lora_kernel" in v.path for v in lora)
+    frozen = [v for v in model.variables if "lora_kernel" not in v.path]
+    for variable, start in zip(frozen, initial):
+        np.testing.assert_array_equal(np.asarray(variable), start, err_msg=variable.path)
+    moved = [v.path for v in lora if "lora_kernel_b" in v.path and np.abs(np.asarray(v)).max()]
+    assert moved   # B starts at zero: it moved, so the adapters trained
+    slots = [v for v in result.optimizer.variables if len(v.shape)]
+    assert len(slots) == 2 * len(lora)   # Adam's two slots per adapter, none for frozen weights
+    if engine == "mirrored":
+        assert result.summary["bytes_reduced_per_update"] == sum(
+            np.asarray(v).nbytes for v in lora)
+
+
+def test_lora_engines_agree(lora_runs):
+    _, runs = lora_runs
+    for a, b in zip(runs["mirrored"].model.variables, runs["dtensor"].model.variables):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
+                                   err_msg=a.path)
+
+
+def test_fine_tunes_from_weights_saved_with_plain_keras(llama_reference, tmp_path):
+    """A user's `model.save_weights` file, loaded in `model_fn` under ZeRO-3
+    (each shard laid out from the host file), trains as one device trains from
+    the same weights."""
+    initial, reference = llama_reference
+    keras.utils.set_random_seed(5)
+    saved = llama_model(LLAMA_TOKENS)
+    saved.set_weights(initial)
+    path = str(tmp_path / "pretrained.weights.h5")
+    saved.save_weights(path)
+
+    def model_fn(spec):
+        model = llama_model(spec)
+        model.load_weights(path)
+        return model
+
+    result = tfdist.train(_config("dtensor", "batch:4,model:1", zero=3, steps=3),
+                          model_fn=model_fn, dataset_fn=token_dataset_fn_for(LLAMA_TOKENS),
+                          spec=LLAMA_TOKENS)
+    _assert_matches(result, reference, initial)
