@@ -639,3 +639,41 @@ def test_set_storage_check():
     with pytest.raises(compat.UpstreamChanged) as raised:
         compat.set_storage(object(), tf.zeros([0]))
     assert_one_line_change(raised, "handle")
+
+
+def test_gradient_overridden_takes_effect_in_its_scope_only():
+    """The DTensor engine's depthwise gradient is TensorFlow's registered one
+    only inside the scope, and undone after."""
+    from tensorflow.python.framework import ops
+    from tfdist.strategies import dtensor_ops
+    before = ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE)
+    with compat.gradient_overridden(dtensor_ops.DEPTHWISE, dtensor_ops._depthwise_grad):
+        assert ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE) is \
+            dtensor_ops._depthwise_grad
+    assert ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE) is before
+
+
+def test_custom_gradients_on_tape_trace_no_identity_n():
+    """Traced within the scope, a custom gradient is no `IdentityN` (the op
+    DTensor fails to lower) and its gradient is still the custom one; traced
+    outside (the control), it is."""
+    @tf.custom_gradient
+    def doubled_gradient(x, n):
+        return x * tf.cast(n, x.dtype), lambda dy: (2.0 * dy * tf.cast(n, dy.dtype), None)
+
+    def traced():
+        @tf.function(autograph=False)
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = doubled_gradient(x, tf.constant(3))
+            return tape.gradient(y, x)
+        concrete = step.get_concrete_function(tf.TensorSpec([2], tf.float32))
+        ops = {op.type for op in concrete.graph.get_operations()}
+        return "IdentityN" in ops, concrete(tf.ones([2])).numpy()
+
+    with compat.custom_gradients_on_tape():
+        identity_n, gradient = traced()
+    assert not identity_n and list(gradient) == [6.0, 6.0]
+    identity_n, gradient = traced()
+    assert identity_n and list(gradient) == [6.0, 6.0]

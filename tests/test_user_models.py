@@ -15,7 +15,6 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist import compat
 from tfdist.data.spec import DatasetSpec
 from tfdist.strategies import dtensor_ops
 
@@ -209,17 +208,6 @@ def test_depthwise_gradients_match_the_native_op(kernel, stride, dilation, paddi
     for a, b in zip(native, ours):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5,
                                    atol=1e-5 * float(tf.reduce_max(tf.abs(a))))
-
-
-def test_depthwise_gradient_override_is_scoped():
-    """The override is TensorFlow's registered gradient only inside the scope
-    (the compat patch takes effect, and is undone)."""
-    from tensorflow.python.framework import ops
-    before = ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE)
-    with compat.gradient_overridden(dtensor_ops.DEPTHWISE, dtensor_ops._depthwise_grad):
-        assert ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE) is \
-            dtensor_ops._depthwise_grad
-    assert ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE) is before
 
 
 # -- a real keras-hub Llama ---------------------------------------------------------
