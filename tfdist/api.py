@@ -30,8 +30,8 @@ from tfdist.observe import summary as summary_lib
 from tfdist.training import compression, optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
-from tfdist.strategies.capabilities import (PipelineStages, ServingProcesses, TensorSharding,
-                                            capability)
+from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, ServingProcesses,
+                                            TensorSharding, capability)
 from tfdist.mesh_model import MeshModel
 from tfdist.training.controller import Controller
 from tfdist.training.trainer import Trainer, total_steps
@@ -459,6 +459,9 @@ def _finish(config, strategy, model, optimizer, summary, task, rebuild) -> RunRe
             model = MeshModel(sharded, strategy, task, is_chief=strategy.is_chief)
         else:
             model = export_lib.host_copy(sharded, strategy, rebuild)
+    elif capability(strategy, ScheduledSteps) and strategy.is_chief:
+        # Keras would schedule predict on the workers, which refuses host data.
+        model = export_lib.host_copy(model, strategy, rebuild)
     if isinstance(model, MeshModel) and tc.export_dir:   # every process: gathers
         summary["export"] = export_lib.export_mesh_model(model, tc.export_dir)
     elif strategy.is_chief and tc.export_dir:

@@ -116,7 +116,9 @@ class ScheduledSteps(Capability):
     """Steps are independent tasks that the engine runs on whichever worker
     is free (parameter servers: asynchronous training). The trainer's loop
     function may then be called several times with fewer steps, and the
-    pieces' results joined (`LoopTotals.chain`)."""
+    pieces' results joined (`LoopTotals.chain`). Keras's `predict` on such a
+    model would be scheduled too (and refuses host data): `RunResult.model`
+    is a plain copy of it."""
 
     @abc.abstractmethod
     def scheduled_loop(self, loop_fn: Callable) -> Callable:

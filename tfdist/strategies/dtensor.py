@@ -438,6 +438,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         the backward pass would update its state twice; its weights are then
         gathered as any read is, and kept from the forward to the backward pass."""
         self._layer_names = {layer.name for layer in compat.model_layers(model)}
+        self._refuse_split_filters(model)
         if self.zero < 3:
             return
         for layer in compat.model_layers(model):
@@ -445,6 +446,29 @@ class DTensorStrategy(Strategy, TensorSharding):
             if any(getattr(getattr(v, "value", None), "compute_layout", None) is not None
                    for v in own) and not layer.non_trainable_weights:
                 layer.call = _gathered_per_layer(layer, layer.call)
+
+    # Keras convolutions: DTensor computes them only with a replicated filter.
+    _CONVOLUTIONS = tuple(getattr(keras.layers, name) for name in (
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+        "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"))
+
+    def _refuse_split_filters(self, model) -> None:
+        """A `UsageError` before training when a layout rule splits a
+        convolution's kernel for its computation: DTensor (TF 2.21) refuses
+        it at the first compile ("Filter for convolution must have fully
+        replicated layout"). Split over `batch` only to be stored (ZeRO-3, a
+        keras-hub map's `batch`) is fine: it is gathered for use."""
+        for layer in compat.model_layers(model):
+            if not isinstance(layer, self._CONVOLUTIONS):
+                continue
+            for variable in layer.weights:
+                compute, _ = self._var_specs.get(variable.path, ((), ()))
+                if "kernel" in variable.path.rsplit("/", 1)[-1] and any(compute):
+                    raise UsageError(
+                        f"layout rule for {variable.path!r} splits convolution layer "
+                        f"{layer.name!r}'s kernel as {sharding.describe_spec(compute)}; DTensor "
+                        "computes convolutions only with a replicated kernel: leave "
+                        "convolution kernels out of the rules (split the dense layers)")
 
     @contextlib.contextmanager
     def compute_scope(self):

@@ -1,0 +1,320 @@
+"""One engine's column of the conformance matrix, in one process.
+
+    python conformance/cells.py WORKDIR ENGINE MODEL[,MODEL...] [--precision=P]
+
+Trains each model in turn under ENGINE through `tfdist.train` from the
+initial weights in WORKDIR/initial/<model>.npz (written by the first run that
+needs them, the `default` column, with a fixed seed), then checks it and writes
+WORKDIR/<column>/<model>.json (only the chief of a multi-process engine
+writes). The column is ENGINE, or ENGINE+"-"+precision for mixed precision.
+
+Under `multi_worker`, `horovod` and `parameter_server` every process of the
+cluster runs this script (started by conformance/matrix.py through
+`tfdist-launch` or `horovodrun`); the single-process engines split the CPU
+into 4 virtual devices before TensorFlow starts.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402  (before TensorFlow: tfdist keeps Keras from importing matplotlib)
+
+import models as conformance_models  # noqa: E402
+from models import BATCH, MODELS, STEPS  # noqa: E402
+
+MULTI_PROCESS = ("multi_worker", "horovod", "parameter_server")
+# Single-process engines: StrategyConfig fields (and TrainConfig overrides).
+ENGINES = {
+    "default": dict(name="default"),
+    "mirrored": dict(name="mirrored", virtual_devices=2),
+    "multi_worker": dict(name="multi_worker", collective_timeout_s=120),
+    "horovod": dict(name="horovod"),
+    "dtensor_dp": dict(name="dtensor", virtual_devices=4, mesh="batch:4,model:1"),
+    "dtensor_tp": dict(name="dtensor", virtual_devices=4, mesh="batch:2,model:2"),
+    "zero3": dict(name="dtensor", virtual_devices=4, mesh="batch:4,model:1", zero_stage=3),
+    "parameter_server": dict(name="parameter_server", collective_timeout_s=120),
+    "pipeline": dict(name="pipeline", virtual_devices=2, pipeline_stages=2),
+}
+LEARNING_RATE = 1e-3
+PIPELINE_MICROBATCHES = 2
+
+
+def config_for(engine, precision="float32"):
+    train = dict(global_batch_size=BATCH, train_steps=STEPS, steps_per_loop=STEPS,
+                 jit_compile="off", precision=precision)
+    if engine == "pipeline":
+        train["accum_steps"] = PIPELINE_MICROBATCHES
+    return tfdist.RunConfig(
+        strategy=tfdist.StrategyConfig(**ENGINES[engine]),
+        data=tfdist.DataConfig(shuffle_buffer=1),   # batches in file order under every engine
+        optimizer=tfdist.OptimizerConfig(name="adam", learning_rate=LEARNING_RATE),
+        train=tfdist.TrainConfig(**train))
+
+
+def first_line(error):
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(error).__name__}: {line}"[:300]
+
+
+def is_chief():
+    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
+    task = config.get("task")
+    if os.environ.get("HOROVOD_RANK") is not None:
+        return os.environ["HOROVOD_RANK"] == "0"
+    if not task:
+        return True
+    if "chief" in config.get("cluster", {}):
+        return task.get("type") == "chief"
+    return task.get("type") == "worker" and task.get("index") == 0
+
+
+def initial_weights(workdir, case, spec):
+    import keras
+    path = os.path.join(workdir, "initial", f"{case.name}.npz")
+    if not os.path.exists(path):
+        keras.utils.set_random_seed(0)
+        model = case.build(spec)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.savez(path + ".tmp.npz", *model.get_weights())
+        os.replace(path + ".tmp.npz", path)
+    return list(np.load(path).values())
+
+
+def host_data(case, split="train"):
+    """Every example of `split` as host arrays (x, y)."""
+    ds = conformance_models.dataset_fn_for(case)(split, None)
+    x, y = next(iter(ds.batch(10_000)))
+    x = {k: v.numpy() for k, v in x.items()} if isinstance(x, dict) else x.numpy()
+    return x, y.numpy()
+
+
+def mean_loss(model, x, y, training):
+    import keras
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return float(loss(y, model(x, training=training)))
+
+
+def weight_difference(final, reference, paths):
+    """Largest |a-b| over every weight, relative to the model's weight scale
+    (the largest |w| of the reference); and the weight where it is."""
+    scale = max(float(np.abs(r).max()) for r in reference if r.size)
+    worst, where = 0.0, None
+    for a, b, path in zip(final, reference, paths):
+        if a.shape != b.shape:
+            return float("inf"), f"{path}: shape {a.shape} vs {b.shape}"
+        d = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if a.size else 0.0
+        if d > worst:
+            worst, where = d, path
+    return worst / scale, where
+
+
+def run_cell(workdir, engine, case, precision):
+    import keras
+    column = engine if precision == "float32" else f"{engine}-{precision}"
+    spec = conformance_models.spec_for(case)
+    dataset_fn = conformance_models.dataset_fn_for(case)
+    initial = initial_weights(workdir, case, spec)
+
+    def model_fn(spec_):
+        model = case.build(spec_)
+        model.set_weights(initial)
+        return model
+
+    cell = {"model": case.name, "engine": column, "status": "fail", "checks": {}}
+    layout_rules = None
+    if engine == "dtensor_tp":
+        probe = case.build(spec)   # the plain model, for the rules' paths
+        layout_rules, cell["layout"] = case.layout(probe)
+        del probe
+    start = time.monotonic()
+    try:
+        result = tfdist.train(config_for(engine, precision), model_fn=model_fn,
+                              dataset_fn=dataset_fn, spec=spec, layout_rules=layout_rules)
+    except tfdist.UsageError as error:
+        cell.update(status="refused", reason=str(error).strip().splitlines()[0][:300],
+                    seconds=round(time.monotonic() - start, 1))
+        return cell
+    except Exception as error:   # noqa: BLE001  (a cell's failure is a finding)
+        traceback.print_exc()
+        cell.update(reason="train: " + first_line(error),
+                    seconds=round(time.monotonic() - start, 1))
+        return cell
+    cell["seconds"] = round(time.monotonic() - start, 1)
+    if result.model is None:   # a parameter server or worker task: it only served
+        return None
+    # Under multi_worker `result.model.predict` is a collective (Keras runs it
+    # under the engine's strategy): every process of the cluster makes every
+    # check below, in the same order; only the chief's cell is written.
+    chief = result.is_chief
+    summary = result.summary
+    cell["examples_per_sec"] = summary.get("examples_per_sec")
+    cell["summary_loss"] = summary.get("loss")
+    problems = []
+
+    def check(name, fn):
+        try:
+            ok, detail = fn()
+        except Exception as error:   # noqa: BLE001
+            traceback.print_exc()
+            ok, detail = False, first_line(error)
+        cell["checks"][name] = {"ok": ok, "detail": detail}
+        if not ok:
+            problems.append(f"{name}: {detail}")
+
+    model = result.model
+    final = [np.asarray(w) for w in model.get_weights()]
+    paths = [w.path for w in model.weights]
+    os.makedirs(os.path.join(workdir, column), exist_ok=True)
+    if chief:
+        np.savez(os.path.join(workdir, column, f"{case.name}.npz"), *final)
+
+    # 1. Against the default engine's trained weights (same initial weights,
+    # same batches in the same order).
+    def against_default():
+        ref_path = os.path.join(workdir, "default", f"{case.name}.npz")
+        if precision != "float32":
+            ref_path = os.path.join(workdir, f"default-{precision}", f"{case.name}.npz")
+        if column.startswith("default"):
+            return True, "reference"
+        if not os.path.exists(ref_path):
+            return False, "no default-engine weights to compare with"
+        reference = list(np.load(ref_path).values())
+        rel, where = weight_difference(final, reference, paths)
+        cell["rel_diff_vs_default"] = rel
+        cell["rel_diff_where"] = where
+        expected, why = expected_to_match(engine, case, precision)
+        cell["match_expected"] = expected
+        tolerance = 1e-4 if precision == "float32" else 2e-2
+        if not expected:
+            return True, f"{rel:.2e} (not compared: {why})"
+        return rel <= tolerance, f"{rel:.2e} at {where} (tolerance {tolerance:g})"
+    check("matches_default", against_default)
+
+    # 2. Exported model.keras reloads and predicts like result.model.
+    def export():
+        import keras_hub  # noqa: F401  (registers keras-hub classes for loading)
+        export_dir = os.path.join(workdir, column, f"{case.name}-export" if chief else
+                                  f"{case.name}-export-{os.getpid()}")
+        paths_written = tfdist.export(result, export_dir)
+        reloaded = tfdist.load_model(os.path.join(export_dir, "model.keras"))
+        x, _ = host_data(case, "test")
+        a = np.asarray(model(x, training=False), np.float64)
+        b = np.asarray(reloaded.predict(x, verbose=0), np.float64)
+        diff = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12))
+        cell["export_rel_diff"] = diff
+        return diff <= 1e-5, f"reloaded predicts within {diff:.1e} (relative); {sorted(paths_written)}"
+    check("export", export)
+
+    # 2b. `result.model.predict` on host data (README: under every engine),
+    # against calling the model.
+    def predict():
+        x, _ = host_data(case, "test")
+        a = np.asarray(model.predict(x, verbose=0), np.float64)
+        b = np.asarray(model(x, training=False), np.float64)
+        diff = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+        return diff <= 1e-5, f"predict within {diff:.1e} of model(x)"
+    check("predict", predict)
+
+    # 3. Tensor-parallel / ZeRO-3: each device holds less than the model.
+    if engine in ("dtensor_tp", "zero3"):
+        def device_bytes():
+            whole = sum(w.nbytes for w in final)
+            per = summary.get("device_parameter_bytes")
+            cell["device_parameter_bytes"], cell["model_bytes"] = per, whole
+            if per is None:
+                return False, "summary has no device_parameter_bytes"
+            most = max(per) if isinstance(per, (list, tuple)) else \
+                max(per.values()) if isinstance(per, dict) else per
+            return most < whole, f"per device {per} vs whole {whole}"
+        check("device_bytes", device_bytes)
+
+    # 4. keras-hub CausalLM still generates from the trained backbone.
+    if case.causal_lm:
+        def generate():
+            import keras_hub
+            lm = model
+            if not isinstance(lm, keras_hub.models.CausalLM):
+                lm = getattr(keras_hub.models, case.causal_lm)(backbone=model.backbone,
+                                                               preprocessor=None)
+            prompt = np.zeros((2, conformance_models.SEQ), np.int32)
+            prompt[:, :4] = [[1, 2, 3, 4], [5, 6, 7, 8]]
+            mask = np.zeros_like(prompt)
+            mask[:, :4] = 1
+            out = lm.generate({"token_ids": prompt, "padding_mask": mask}, stop_token_ids=None)
+            tokens = np.asarray(out["token_ids"])
+            ok = tokens.shape == prompt.shape and (tokens[:, :4] == prompt[:, :4]).all() and \
+                bool(np.asarray(out["padding_mask"]).all()) and tokens.max() < case.spec_args[
+                    "num_classes"]
+            return bool(ok), f"generated {tokens[0, 4:8].tolist()}..."
+        check("generate", generate)
+
+    # 5. Training did something: the loss on the training examples falls
+    # (training mode: BatchNorm then uses batch statistics, as in the step;
+    # last, since a training-mode call moves moving statistics).
+    def loss_falls():
+        x, y = host_data(case, "train")
+        keras.utils.set_random_seed(0)
+        before_model = case.build(spec)
+        before_model.set_weights(initial)
+        before = mean_loss(before_model, x, y, training=True)
+        after = mean_loss(model, x, y, training=True)
+        moved = max(float(np.abs(a - b).max()) for a, b in zip(final, initial))
+        cell.update(loss_before=before, loss_after=after, weights_moved=moved)
+        ok = np.isfinite(after) and after < before and moved > 0
+        return bool(ok), f"{before:.4f} -> {after:.4f}; weights moved up to {moved:.2e}"
+    check("loss_falls", loss_falls)
+
+    if not chief:
+        return None
+    cell["status"] = "pass" if not problems else "fail"
+    if problems:
+        cell["reason"] = problems[0][:300]
+    return cell
+
+
+def expected_to_match(engine, case, precision):
+    """Whether the engine computes the same function of the same batches as
+    one device (then the weights must agree to rounding), and why not."""
+    if engine == "parameter_server":
+        return False, "asynchronous: each step is one worker's global batch from its own pipeline"
+    if case.batch_norm and engine in ("mirrored", "multi_worker", "horovod", "pipeline"):
+        return False, "BatchNorm normalises by each replica's (micro-)batch statistics"
+    return True, ""
+
+
+def main(workdir, engine, names, precision="float32"):
+    if engine not in MULTI_PROCESS:
+        from tfdist import cluster
+        cluster.configure_virtual_cpus(4)
+    column = engine if precision == "float32" else f"{engine}-{precision}"
+    os.makedirs(os.path.join(workdir, column), exist_ok=True)
+    for name in names.split(","):
+        case = MODELS[name]
+        print(f"conformance: begin {column} {name}", flush=True)
+        try:
+            cell = run_cell(workdir, engine, case, precision)
+        except Exception as error:   # noqa: BLE001
+            traceback.print_exc()
+            cell = {"model": name, "engine": column, "status": "fail",
+                    "reason": "harness: " + first_line(error)}
+        if cell is not None and is_chief():
+            with open(os.path.join(workdir, column, f"{name}.json"), "w") as f:
+                json.dump(cell, f, indent=1, default=str)
+        print(f"conformance: end {column} {name} "
+              f"{cell and cell['status']} {cell and cell.get('reason', '')}", flush=True)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--precision=")]
+    precision = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--precision=")),
+                     "float32")
+    main(*args, precision=precision)
