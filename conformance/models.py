@@ -168,7 +168,8 @@ def _no_dropout(model):
     shape of the local batch: engines with other local batches drop other
     units)."""
     import keras
-    for layer in model._flatten_layers():
+    from tfdist import compat
+    for layer in compat.model_layers(model):
         if isinstance(layer, keras.layers.Dropout):
             layer.rate = 0.0
     return model

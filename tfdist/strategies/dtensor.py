@@ -601,12 +601,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         found = dtensor_ops.ops_without_rules(concrete.graph.as_graph_def())
         if found:
             op, node = found[0]
-            layer = dtensor_ops.layer_of(node, self._layer_names)
-            raise UsageError(
-                f"layer {layer!r} uses the TensorFlow op {op}, which DTensor (TensorFlow "
-                f"{tf.__version__}) cannot lay out; --strategy=dtensor cannot train this model "
-                "(docs/dtensor_coverage.md): train it under default, mirrored, multi_worker or "
-                "horovod")
+            raise dtensor_ops.Unlowerable(op, dtensor_ops.layer_of(node, self._layer_names))
 
     def describe_fault(self, error: Exception) -> str:
         """A DTensor compile error as one line naming the op; a peer's fault
@@ -650,6 +645,11 @@ class DTensorStrategy(Strategy, TensorSharding):
             try:
                 with logs.quiet_absl():
                     self.host_function(update(layout))(*zeros)
+            except dtensor_ops.Unlowerable as error:
+                raise UsageError(f"metric {name!r} cannot run under --strategy=dtensor: it uses "
+                                 f"the TensorFlow op {error.op}, which DTensor cannot lay out; "
+                                 "train it under mirrored, multi_worker or horovod, or pick "
+                                 "another metric") from None
             except (tf.errors.OpError, ValueError, TypeError) as error:
                 text = str(getattr(error, "message", error)).strip().splitlines()
                 reason = next((line.split("error: ", 1)[-1] for line in text if "error:" in line),

@@ -30,6 +30,7 @@ import re
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.errors import UsageError
 
 DEPTHWISE = "DepthwiseConv2dNative"
 
@@ -136,6 +137,18 @@ SEEN_WITHOUT_RULE = frozenset({
     "TensorListStack", "TensorListLength", "TensorListElementShape", "TensorListPushBack",
     "TensorListPopBack", "TensorListConcatV2", "TensorListSplit", "TensorListGather",
     "TensorListScatterIntoExistingList", "TensorListResize"})
+
+
+class Unlowerable(UsageError):
+    """A traced program holds op `op` (in `layer`), which DTensor cannot lay out."""
+
+    def __init__(self, op: str, layer: str):
+        super().__init__(
+            f"layer {layer!r} uses the TensorFlow op {op}, which DTensor (TensorFlow "
+            f"{tf.__version__}) cannot lay out; --strategy=dtensor cannot train this model "
+            "(docs/dtensor_coverage.md): train it under default, mirrored, multi_worker or "
+            "horovod")
+        self.op, self.layer = op, layer
 
 
 def ops_without_rules(graph_def) -> list:
