@@ -11,7 +11,9 @@ on the default engine and then under `--strategy=dtensor` on four meshes:
   batch:4,model:1 zero=3     ZeRO-3: every weight split over `batch`
 
 The layout rule splits the probe's largest weight on `model` (its last
-dimension divisible by 4, else another one). Each cell is
+dimension divisible by 4, else another one) on the meshes with a `model` axis;
+the batch-only and ZeRO-3 columns run without rules, as a user runs them.
+A one-line refusal before compiling is recorded as `refused`. Each cell is
   pass      trained, the split took effect (device parameter bytes below the
             whole where a split was asked for), and every weight within
             float32 tolerance of the default engine's from the same initial weights;
@@ -354,13 +356,18 @@ def audit_case(label, kind, body, log):
         t0 = time.time()
         cell = {}
         try:
+            # The model axis carries the rule; on a batch-only mesh (data
+            # parallel, ZeRO-3) a rule naming `model` of size 1 would still
+            # lay the weight out on it, which is not what a user runs there.
+            on_model = "model:1" not in mesh
             result = tfdist.train(run_config("dtensor", mesh, zero), model_fn=model_fn,
-                                  dataset_fn=dataset_fn, spec=spec, layout_rules=rules)
+                                  dataset_fn=dataset_fn, spec=spec,
+                                  layout_rules=rules if on_model else [])
             got = variables(result)
             device_bytes = result.summary.get("device_parameter_bytes")
             (rel, path), moved = compare(got, want, initial)
             cell.update(rel=rel, path=path, moved=moved, device_bytes=device_bytes)
-            split_expected = bool(rule) and (mesh != "batch:4,model:1" or zero == 3)
+            split_expected = (bool(rule) and on_model) or zero == 3
             split_ok = (device_bytes is not None and device_bytes < total_bytes) \
                 if split_expected else True
             cell["split"] = (device_bytes < total_bytes) if device_bytes is not None else None
@@ -373,6 +380,8 @@ def audit_case(label, kind, body, log):
                             detail=f"no split: device bytes {device_bytes} of {total_bytes}")
             else:
                 cell.update(status="pass", detail=f"max diff {rel:.1e}")
+        except tfdist.UsageError as error:   # refused in one line before compiling
+            cell.update(status="refused", detail=str(error).splitlines()[0][:200])
         except Exception as error:
             op, first, text = failure(error)
             cell.update(status="fail", op=op, detail=first, text=text)
@@ -466,7 +475,9 @@ def render(rows, skipped, probes, started, seconds, argv):
            "Each row: input -> the layer (`probe`) -> Flatten -> Dense(4), trained 2 SGD steps "
            f"(lr 0.05, global batch {BATCH}) through `tfdist.train` on 4 virtual CPUs, under "
            "the default engine and under `--strategy=dtensor` on each mesh, from the same "
-           "initial weights. The layout rule splits the probe's largest weight on `model`.",
+           "initial weights. The layout rule splits the probe's largest weight on `model` on "
+           "the meshes with a `model` axis; the batch-only and ZeRO-3 columns run without "
+           "rules. **refused**: a one-line `UsageError` before compiling.",
            "",
            f"- **pass**: trained; every variable within {RTOL:g} of max(its largest magnitude in the "
            f"default engine's run, {ABS_FLOOR:g}) of the "
@@ -494,6 +505,8 @@ def render(rows, skipped, probes, started, seconds, argv):
                 cells.append(f"pass ({cell['rel']:.0e})")
             elif cell["status"] == "fail":
                 cells.append(f"**fail** `{cell.get('op')}`")
+            elif cell["status"] == "refused":
+                cells.append("refused")
             else:
                 cells.append(f"**mismatch** {cell['detail']}")
         out.append(f"| {row['label']} | {rule_text} | " + " | ".join(cells) + " |")
