@@ -120,9 +120,10 @@ def _train_custom(config, initial, rules=None):
                         spec=TOKENS, layout_rules=rules)
 
 
+# 2x2 splits the batch too (the batch-only mesh compiled alike when tried; left
+# out for the suite's time), ZeRO-3 nests one custom gradient in a gather.
 @pytest.mark.parametrize("mesh,zero,rules", [
-    ("batch:4,model:1", 0, None), ("batch:2,model:2", 0, CUSTOM_RULES),
-    ("batch:4,model:1", 3, None)], ids=["batch", "2x2", "zero3"])
+    ("batch:2,model:2", 0, CUSTOM_RULES), ("batch:4,model:1", 3, None)], ids=["2x2", "zero3"])
 def test_custom_gradients_train_like_one_device(custom_gradient_reference, mesh, zero, rules):
     """`tf.nn.silu`, `keras.ops.silu`, `keras.ops.custom_gradient` and a user's
     own `tf.custom_gradient` with a constant and an integer input (one inside
