@@ -74,6 +74,7 @@ bench: $(STAMP) iproute2
 	$(BIN)/python bench/horovod_vs_multi_worker.py
 	$(BIN)/python bench/allreduce.py
 	$(BIN)/python bench/dtensor.py
+	$(BIN)/python bench/depthwise.py
 	$(BIN)/python bench/parameter_server.py
 	$(BIN)/python bench/slow_link.py
 

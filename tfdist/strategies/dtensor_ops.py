@@ -11,15 +11,17 @@ per-channel weight:
 
     y[b, h, w, c·M + m] = Σ_ij x_pad[b, h·s + i·d, w·s + j·d, c] · W[i, j, c, m]
 
-so for each kernel tap (i, j):
+so the kernel's gradient is, for each tap (i, j), one product and sum
 
-    dW[i, j, c, m]   = Σ_bhw x_pad[b, h·s + i·d, w·s + j·d, c] · dy[b, h, w, c, m]
-    dx_pad[.. tap ..] += Σ_m dy[b, h, w, c, m] · W[i, j, c, m]
+    dW[i, j, c, m] = Σ_bhw x_pad[b, h·s + i·d, w·s + j·d, c] · dy[b, h, w, c, m]
 
-Slices, products, sums, pads and reshapes all have DTensor rules. The forward
-pass stays the native op; the backward pass recomputes each tap's slice from
-the input kept for the native gradient (nothing k² times the activations is
-kept from the forward pass). Each tap's terms are transient.
+and the input's is the forward op itself: the output gradient spread to
+stride 1 and correlated with the flipped kernel (dilation d) over C·M
+channels, then summed over m. Slices, products, sums, pads, reshapes and the
+forward depthwise op all have DTensor rules. The forward pass stays the
+native op; the backward pass recomputes each tap's slice from the input kept
+for the native gradient (nothing k² times the activations is kept from the
+forward pass). `bench/depthwise.py` measures it against the native gradient.
 """
 
 from __future__ import annotations
@@ -73,19 +75,25 @@ def depthwise_gradients(x, kernel, dy, *, strides, padding: str, dilations,
     left, right = _pads(padding, explicit_paddings, width, out_w, k_w, s_w, d_w, 2)
     x_pad = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
     padded_h, padded_w = height + top + bottom, width + left + right
-    rows, cols = (out_h - 1) * s_h + 1, (out_w - 1) * s_w + 1
+    rows, cols = (out_h - 1) * s_h + 1, (out_w - 1) * s_w + 1   # the taps' extent
     dy5 = tf.reshape(dy, [-1, out_h, out_w, channels, multiplier])
-    taps, dx_pad = [], None
+    taps = []
     for i in range(k_h):
         for j in range(k_w):
             tap = x_pad[:, i * d_h:i * d_h + rows:s_h, j * d_w:j * d_w + cols:s_w, :]
             taps.append(tf.reduce_sum(tap[..., None] * dy5, axis=[0, 1, 2]))
-            g = tf.reduce_sum(dy5 * kernel[i, j], axis=-1)
-            g = tf.pad(_spread(g, s_h, s_w, rows, cols),
-                       [[0, 0], [i * d_h, padded_h - i * d_h - rows],
-                        [j * d_w, padded_w - j * d_w - cols], [0, 0]])
-            dx_pad = g if dx_pad is None else dx_pad + g
     dkernel = tf.reshape(tf.stack(taps), [k_h, k_w, channels, multiplier])
+    # dx_pad[p] = Σ_i dy_spread[p - i·d] · W[i]: a full correlation of the
+    # output gradient, spread to stride 1, with the flipped kernel, i.e. the
+    # forward depthwise op (which DTensor lays out) on C·M channels.
+    spread = _spread(dy, s_h, s_w, rows, cols)
+    spread = tf.pad(spread, [[0, 0], [(k_h - 1) * d_h, padded_h - rows],
+                             [(k_w - 1) * d_w, padded_w - cols], [0, 0]])
+    flipped = tf.reshape(kernel[::-1, ::-1], [k_h, k_w, channels * multiplier, 1])  # no ReverseV2
+    dx_pad = tf.nn.depthwise_conv2d(spread, flipped, [1, 1, 1, 1], "VALID",
+                                    dilations=[d_h, d_w])
+    dx_pad = tf.reduce_sum(tf.reshape(dx_pad, [-1, padded_h, padded_w, channels, multiplier]),
+                           axis=-1)
     dx = dx_pad[:, top:top + height, left:left + width, :]
     return dx, dkernel
 
