@@ -77,10 +77,20 @@ def depthwise_gradients(x, kernel, dy, *, strides, padding: str, dilations,
     padded_h, padded_w = height + top + bottom, width + left + right
     rows, cols = (out_h - 1) * s_h + 1, (out_w - 1) * s_w + 1   # the taps' extent
     dy5 = tf.reshape(dy, [-1, out_h, out_w, channels, multiplier])
+    # Each tap's strided view of x_pad as a unit-stride slice: rows split into
+    # (row // s, row % s), so offset i·d is block (i·d) // s, phase (i·d) % s.
+    # (A strided slice per tap was 10x slower than the whole native gradient.)
+    blocks_h, blocks_w = -(-padded_h // s_h), -(-padded_w // s_w)
+    phased = tf.reshape(
+        tf.pad(x_pad, [[0, 0], [0, blocks_h * s_h - padded_h], [0, blocks_w * s_w - padded_w],
+                       [0, 0]]),
+        [-1, blocks_h, s_h, blocks_w, s_w, channels])
     taps = []
     for i in range(k_h):
         for j in range(k_w):
-            tap = x_pad[:, i * d_h:i * d_h + rows:s_h, j * d_w:j * d_w + cols:s_w, :]
+            bi, pi = divmod(i * d_h, s_h)
+            bj, pj = divmod(j * d_w, s_w)
+            tap = phased[:, bi:bi + out_h, pi, bj:bj + out_w, pj, :]
             taps.append(tf.reduce_sum(tap[..., None] * dy5, axis=[0, 1, 2]))
     dkernel = tf.reshape(tf.stack(taps), [k_h, k_w, channels, multiplier])
     # dx_pad[p] = Σ_i dy_spread[p - i·d] · W[i]: a full correlation of the
