@@ -192,14 +192,6 @@ class Trainer:
         loop_fn = self._local_sgd_loop_fn if self.sync_every else self._train_loop_fn
         if self.sync_every:
             self._step_fn = self._replica_local_step
-        if self.sharded:
-            # The step as a function of its own, called from the loop's body:
-            # DTensor's MLIR lowering cannot place a custom gradient
-            # (`tf.nn.silu`'s, any `tf.custom_gradient` with a constant input)
-            # traced directly in a while loop's body region ("operand #0 does
-            # not dominate this use"); behind a call boundary it lowers
-            # (BUILD_NOTES: custom gradients under DTensor).
-            self._step_fn = tf.function(self._step_fn, autograph=False)
         if isinstance(self.strategy, ScheduledSteps):
             self._train_loop = self.strategy.scheduled_loop(loop_fn)
         else:
