@@ -49,7 +49,7 @@ LEARNING_RATE = 1e-3
 # another BatchNormalization: the shift is normalised away), which Adam turns
 # into noise-sized steps of either sign, so engines that sum in another order
 # end up a learning rate apart there; SGD keeps equal math equal.
-SGD_LEARNING_RATE = 0.05
+SGD_LEARNING_RATE = 0.01
 PIPELINE_MICROBATCHES = 2
 
 

@@ -217,7 +217,7 @@ def write_table(workdir, out, names, engines, wall_s, timings):
         f"- Total wall time: {sum(t['seconds'] for t in every) / 60:.1f} minutes of engine "
         f"processes ({len(every)} processes, run one at a time, over every invocation that "
         f"made these cells; this invocation {wall_s / 60:.1f} minutes)",
-        f"- Each cell: {4} Adam steps (lr 1e-3; BatchNorm models: SGD, lr 0.05, as a "
+        f"- Each cell: {4} Adam steps (lr 1e-3; BatchNorm models: SGD, lr 0.01, as a "
         "BatchNorm beta before a 1x1 convolution and another BatchNorm has an exact gradient "
         "of 0, which Adam turns into noise-sized steps), global batch 8, float32 unless the "
         "column says otherwise, `jit_compile=\"off\"`, fixed random data in file order "
