@@ -131,7 +131,7 @@ def split_large_kernels(model, share=0.02):
             continue
         if np.prod(shape) < share * total:
             continue
-        rules.append((re.escape(v.path) + "$", (None,) * (len(shape) - 1) + ("model",)))
+        rules.append(("(^|/)" + re.escape(v.path) + "$", (None,) * (len(shape) - 1) + ("model",)))
     return rules
 
 
