@@ -40,6 +40,17 @@ def _config(strategy, mesh=None, zero=0, steps=4):
         zero_stage=zero, **({"mesh": mesh} if mesh else {})))
 
 
+def _train_from(build, initial, config, spec, dataset_fn, rules=None):
+    """`build(spec)` with the weights `initial`, trained under `config`."""
+    def model_fn(spec_):
+        model = build(spec_)
+        model.set_weights(initial)
+        return model
+
+    return tfdist.train(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
+                        layout_rules=rules)
+
+
 # -- custom gradients -----------------------------------------------------------
 
 @tf.custom_gradient
@@ -111,13 +122,8 @@ def custom_gradient_reference():
 
 
 def _train_custom(config, initial, rules=None):
-    def model_fn(spec):
-        model = custom_gradient_model(spec)
-        model.set_weights(initial)
-        return model
-
-    return tfdist.train(config, model_fn=model_fn, dataset_fn=token_dataset_fn_for(TOKENS),
-                        spec=TOKENS, layout_rules=rules)
+    return _train_from(custom_gradient_model, initial, config, TOKENS,
+                       token_dataset_fn_for(TOKENS), rules)
 
 
 # 2x2 splits the batch too (the batch-only mesh compiled alike when tried; left
@@ -165,12 +171,8 @@ def depthwise_references():
 
 
 def _train_depthwise(config, initial, separable=True):
-    def model_fn(spec):
-        model = depthwise_model(spec, separable)
-        model.set_weights(initial)
-        return model
-
-    return tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGES)
+    return _train_from(lambda spec: depthwise_model(spec, separable), initial, config, IMAGES,
+                       image_dataset_fn)
 
 
 # ZeRO-3 without the separable convolution: this process's DTensor programs
@@ -237,13 +239,8 @@ def llama_reference():
 
 
 def _train_llama(config, initial, rules=None):
-    def model_fn(spec):
-        model = llama_model(spec)
-        model.set_weights(initial)
-        return model
-
-    return tfdist.train(config, model_fn=model_fn, dataset_fn=token_dataset_fn_for(LLAMA_TOKENS),
-                        spec=LLAMA_TOKENS, layout_rules=rules)
+    return _train_from(llama_model, initial, config, LLAMA_TOKENS,
+                       token_dataset_fn_for(LLAMA_TOKENS), rules)
 
 
 @pytest.mark.parametrize("mesh,zero", [("batch:2,model:2", 0), ("batch:4,model:1", 3)],
