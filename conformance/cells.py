@@ -53,7 +53,7 @@ SGD_LEARNING_RATE = 0.01
 PIPELINE_MICROBATCHES = 2
 
 
-def config_for(engine, precision="float32", sgd=False):
+def config_for(engine, precision="float32", sgd=False, learning_rate=None):
     train = dict(global_batch_size=BATCH, train_steps=STEPS, steps_per_loop=STEPS,
                  jit_compile="off", precision=precision)
     if engine == "pipeline":
@@ -61,8 +61,10 @@ def config_for(engine, precision="float32", sgd=False):
     return tfdist.RunConfig(
         strategy=tfdist.StrategyConfig(**ENGINES[engine]),
         data=tfdist.DataConfig(shuffle_buffer=1),   # batches in file order under every engine
-        optimizer=(tfdist.OptimizerConfig(name="sgd", learning_rate=SGD_LEARNING_RATE) if sgd
-                   else tfdist.OptimizerConfig(name="adam", learning_rate=LEARNING_RATE)),
+        optimizer=(tfdist.OptimizerConfig(name="sgd",
+                                          learning_rate=learning_rate or SGD_LEARNING_RATE)
+                   if sgd else tfdist.OptimizerConfig(name="adam",
+                                                      learning_rate=learning_rate or LEARNING_RATE)),
         train=tfdist.TrainConfig(**train))
 
 
@@ -144,7 +146,8 @@ def run_cell(workdir, engine, case, precision):
         del probe
     start = time.monotonic()
     try:
-        result = tfdist.train(config_for(engine, precision, sgd=case.batch_norm), model_fn=model_fn,
+        result = tfdist.train(config_for(engine, precision, sgd=case.batch_norm,
+                                           learning_rate=case.learning_rate), model_fn=model_fn,
                               dataset_fn=dataset_fn, spec=spec, layout_rules=layout_rules)
     except tfdist.UsageError as error:
         cell.update(status="refused", reason=str(error).strip().splitlines()[0][:300],

@@ -1,4 +1,4 @@
-"""Splitting models into pipeline stages (tfdist/pipeline/split.py, issue 22)."""
+"""Splitting models into pipeline stages (tfdist/pipeline/split.py)."""
 
 import keras
 import pytest
@@ -59,6 +59,27 @@ def test_the_transformer_splits_at_its_blocks():
     stages = split.split(model, 4, found=found)
     assert len(stages) == 4 and all(s.flops > 0 for s in stages), split.table(stages)
     print(split.table(stages))
+
+
+def test_a_model_with_an_open_sequence_length_is_counted_on_the_data_shape():
+    """Inputs of shape (None, None) (keras-hub's backbones): the FLOPs are
+    counted for one example of the data; without one, the split balances
+    parameter bytes instead of failing."""
+    import tensorflow as tf
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(32, 8, name="embed")(tokens)
+    x = keras.layers.Dense(64, name="wide")(x)
+    x = keras.layers.Dense(8, name="narrow")(x)
+    model = keras.Model(tokens, keras.layers.Dense(4, name="out")(x))
+    signature = tf.TensorSpec([1, 16], tf.int32)
+    found = split.blocks(model, input_signature=signature)
+    by_layer = {b.layers[-1]: b.flops for b in found}
+    assert by_layer["wide"] == 2 * 16 * 8 * 64 and by_layer["narrow"] == 2 * 16 * 64 * 8
+    stages = split.split(model, 2, input_signature=signature)
+    assert sum(s.flops for s in stages) == sum(by_layer.values())
+    unknown = split.blocks(model)
+    assert all(b.flops == 0 for b in unknown)
+    assert len(split.split(model, 2, found=unknown)) == 2
 
 
 def test_a_named_split_and_its_errors():

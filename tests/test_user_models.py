@@ -146,14 +146,22 @@ def test_custom_gradients_train_like_one_device(custom_gradient_reference, mesh,
 
 def depthwise_model(spec, separable=True):
     """EfficientNet's and MobileNet's pieces: a strided depthwise convolution,
-    a separable one, swish (a custom gradient) and BatchNormalization."""
+    a separable one, swish (a custom gradient), BatchNormalization and a
+    squeeze-excite branch."""
     x = inputs = keras.Input(spec.input_shape)
     # No bias before BatchNormalization (as EfficientNet): its exact gradient
     # is 0, which Adam turns into noise-sized steps of either sign.
     x = keras.layers.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2,
                                      use_bias=False, name="dw")(x)
-    x = keras.layers.BatchNormalization(name="bn")(x)
+    # axis=3, as keras.applications write it (TensorFlow then reshapes the
+    # statistics to [1, 1, 1, C]), beside a squeeze-excite branch 6 wide: under
+    # ZeRO-3 the split of the moving statistics must not reach it.
+    x = keras.layers.BatchNormalization(axis=3, name="bn")(x)
     x = keras.layers.Activation("swish")(x)
+    se = keras.layers.GlobalAveragePooling2D(keepdims=True)(x)
+    se = keras.layers.Conv2D(6, 1, activation="swish", name="se_reduce")(se)
+    se = keras.layers.Conv2D(x.shape[-1], 1, activation="sigmoid", name="se_expand")(se)
+    x = keras.layers.multiply([x, se])
     if separable:
         x = keras.layers.SeparableConv2D(8, 3, padding="valid", name="sep")(x)
     x = keras.layers.GlobalAveragePooling2D()(x)

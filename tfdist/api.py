@@ -252,6 +252,12 @@ def _task(config: RunConfig, strategy, model, inputs, loss, metrics) -> Task:
     return task
 
 
+def _example_signature(inputs):
+    """`tf.TensorSpec`s of one training example's features, batch 1."""
+    x_spec = inputs.examples("train", tf.distribute.InputContext()).element_spec[0]
+    return tf.nest.map_structure(lambda s: tf.TensorSpec([1, *s.shape], s.dtype), x_spec)
+
+
 def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     """Model and optimizer, built in the engine's scope under the precision policy."""
     if layout_rules is None and model_fn is None:
@@ -273,7 +279,7 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
                 raise
         pipeline = capability(strategy, PipelineStages)
         if pipeline:   # stages on their devices, before the optimizer's slots are made
-            pipeline.place_model(model)
+            pipeline.place_model(model, _example_signature(inputs))
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))

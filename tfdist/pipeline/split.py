@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from absl import logging
+
 from tfdist import compat
 from tfdist.errors import UsageError
 
@@ -159,16 +161,26 @@ def stage_models(model, stages: list) -> list:
     return built
 
 
-def blocks(model, count_flops: bool = True) -> list:
-    """The model's blocks (see the module doc), in order."""
+def blocks(model, count_flops: bool = True, input_signature=None) -> list:
+    """The model's blocks (see the module doc), in order. FLOPs are counted
+    for inputs like `input_signature` (one example's `tf.TensorSpec`s, batch
+    1: the data's, where the model's own inputs leave a length open), else
+    for the model's inputs."""
     from tfdist.observe import flops as flops_lib
     graph = _graph(model)
     inputs, _, layers, _, makes = graph
     bounds = [-1, *_cuts(*graph), len(layers) - 1]
     # One trace of the whole model, its FLOPs attributed to layers by name
     # scope (a sub-model per block would add nodes to the model's layers).
-    per_layer = flops_lib.layer_flops(model, [layer.name for layer in layers]) \
-        if count_flops else {}
+    per_layer = {}
+    if count_flops:
+        try:
+            per_layer = flops_lib.layer_flops(model, [layer.name for layer in layers],
+                                              input_signature)
+        except ValueError as error:   # e.g. a length the inputs leave open
+            logging.warning("Cannot count the FLOPs of model %r's layers (%s); its pipeline "
+                            "stages are balanced by parameter bytes.", model.name,
+                            (str(error).strip().splitlines() or [""])[0])
     found = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
         members = layers[start + 1:stop + 1]
@@ -198,10 +210,12 @@ def _itemsize(dtype) -> int:
 
 
 def split(model, stages: int, names: Optional[Sequence[str]] = None,
-          found: Optional[list] = None) -> list:
-    """S `Stage`s of `model`: balanced by FLOPs, or starting at `names`
-    (S-1 layer names, each the first layer of a block)."""
-    found = blocks(model, count_flops=names is None) if found is None else found
+          found: Optional[list] = None, input_signature=None) -> list:
+    """S `Stage`s of `model`: balanced by FLOPs (for inputs like
+    `input_signature`, see `blocks`), or starting at `names` (S-1 layer
+    names, each the first layer of a block)."""
+    if found is None:
+        found = blocks(model, count_flops=names is None, input_signature=input_signature)
     model_name = getattr(model, "name", "model")
     if stages < 1:
         raise UsageError(f"--pipeline_stages={stages}: must be at least 1")

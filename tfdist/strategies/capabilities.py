@@ -154,9 +154,11 @@ class PipelineStages(Capability):
     whole model on the chief for checkpoints and export (`gather_stages`)."""
 
     @abc.abstractmethod
-    def place_model(self, model) -> None:
+    def place_model(self, model, input_signature=None) -> None:
         """Split `model` into stages and move each stage's variables to its
-        device. `UsageError` for a model that cannot be split so."""
+        device. `input_signature`: one example of the data (batch 1), for the
+        split's FLOP count where the model's inputs leave a length open.
+        `UsageError` for a model that cannot be split so."""
 
     @abc.abstractmethod
     def local_gradients(self, losses, x, y, weight):

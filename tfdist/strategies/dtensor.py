@@ -208,7 +208,20 @@ class MeshVariable(dtensor.DVariable):
     """
 
     def _host_to_mesh(self, value):
-        if not tf.executing_eagerly() or dtensor.is_dtensor(value):
+        if not tf.executing_eagerly():
+            if self.compute_layout is not None:
+                # A split state variable assigned in the step (BatchNormalization's
+                # moving statistics under ZeRO-3): the value is made whole, then
+                # split. Assigned directly, DTensor's layout propagation pulls the
+                # variable's split back into the ops that compute the value and on
+                # into the activations, onto dimensions it does not divide
+                # ("requires dimension 3 to be divisible ... size=6", EfficientNet's
+                # BatchNormalization(axis=3) beside a 6-wide squeeze-excite). The
+                # relayout to the computing layout is a boundary it cannot cross.
+                value = dtensor.relayout(dtensor.relayout(value, self.compute_layout),
+                                         self.layout)
+            return value
+        if dtensor.is_dtensor(value):
             return value
         return _lay_out(tf.cast(tf.convert_to_tensor(value), self.dtype), self.layout)
 

@@ -186,9 +186,12 @@ class PipelineStrategy(MultiWorkerStrategy, PipelineStages):
                              "replica's; use --grad_agreement_every=0")
 
     # -- the model ---------------------------------------------------------------
-    def place_model(self, model) -> None:
+    def place_model(self, model, input_signature=None) -> None:
+        """Split `model` into its stages, balanced by FLOPs for inputs like
+        `input_signature` (one example of the data, batch 1), and place them."""
         names = list(self.config.pipeline_split) or None
-        self.stages = split_lib.split(model, self.num_stages, names=names)
+        self.stages = split_lib.split(model, self.num_stages, names=names,
+                                      input_signature=input_signature)
         self._stage_models = split_lib.stage_models(model, self.stages)
         self._stage_variables = [m.trainable_variables for m in self._stage_models]
         self._stage_of = {id(v): s for s, variables in enumerate(self._stage_variables)
