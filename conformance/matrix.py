@@ -217,9 +217,10 @@ def write_table(workdir, out, names, engines, wall_s, timings):
         f"- Total wall time: {sum(t['seconds'] for t in every) / 60:.1f} minutes of engine "
         f"processes ({len(every)} processes, run one at a time, over every invocation that "
         f"made these cells; this invocation {wall_s / 60:.1f} minutes)",
-        f"- Each cell: {4} Adam steps (lr 1e-3; BatchNorm models: SGD, lr 0.01, as a "
-        "BatchNorm beta before a 1x1 convolution and another BatchNorm has an exact gradient "
-        "of 0, which Adam turns into noise-sized steps), global batch 8, float32 unless the "
+        f"- Each cell: {4} Adam steps (lr 1e-3; BatchNorm models: SGD, lr 0.01, EfficientNetB0 "
+        "1e-3, as a BatchNorm beta before a 1x1 convolution and another BatchNorm has an "
+        "exact gradient of 0, which Adam turns into noise-sized steps; EfficientNetB0 at "
+        "32x32 is chaotic at 0.01), global batch 8, float32 unless the "
         "column says otherwise, `jit_compile=\"off\"`, fixed random data in file order "
         "(shuffle_buffer=1), every engine from the same initial weights.",
         "",
@@ -273,6 +274,11 @@ def write_table(workdir, out, names, engines, wall_s, timings):
               "6. keras-hub CausalLMs: the trained model's `generate(..., "
               "stop_token_ids=None)` (preprocessor=None) returns the prompt followed by "
               "generated ids in the vocabulary.",
+              "7. LoRA rows (`backbone.enable_lora(2)`): only the adapters are trainable, "
+              "every frozen weight ends bit for bit as loaded, an adapter moved, the optimizer "
+              "holds two Adam slots per adapter and none for frozen weights, and under "
+              "mirrored, multi_worker and horovod `summary['bytes_reduced_per_update']` "
+              "equals the adapters' bytes (check `lora_only`).",
               ""]
     lines += ["## Refusals and failures", ""]
     for (c, m), cell in sorted(cells.items(), key=lambda kv: (columns.index(kv[0][0])

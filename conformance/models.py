@@ -32,6 +32,7 @@ class Case:
     causal_lm: Optional[str] = None   # keras_hub.models.<name> for the generate check
     batch_norm: bool = False          # has BatchNormalization (per-replica batch statistics)
     learning_rate: Optional[float] = None   # instead of cells.py's default for its optimizer
+    lora: bool = False                # keras-hub LoRA enabled: only the adapters train
 
 
 def _spec(**kw):
@@ -152,6 +153,16 @@ def _bert(spec):
                                                dropout=0.0)
 
 
+def _with_lora(build, rank=2):
+    """`build`'s keras-hub model with `backbone.enable_lora(rank)` (query and
+    value projections): its other weights are frozen."""
+    def build_lora(spec):
+        model = build(spec)
+        model.backbone.enable_lora(rank)
+        return model
+    return build_lora
+
+
 def _vit(spec):
     import keras
     import keras_hub
@@ -211,6 +222,15 @@ MODELS = {c.name: c for c in [
          dict(kind="tokens", input_shape=(SEQ,), num_classes=2,
               train_examples=BATCH * STEPS, eval_examples=BATCH), _regex_layout),
     Case("vit", "image", _vit, _IMG, _regex_layout),
+    # Fine-tuning with LoRA: a Llama (every engine but the pipeline, which
+    # refuses its tied embedding) and a BERT classifier (the pipeline too).
+    Case("llama_lora", "causal_lm",
+         _with_lora(_causal_lm("LlamaBackbone", num_layers=1, num_query_heads=2,
+                               num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)),
+         _LM, _hub_layout("LlamaBackbone"), causal_lm="LlamaCausalLM", lora=True),
+    Case("bert_lora", "text_classifier", _with_lora(_bert),
+         dict(kind="tokens", input_shape=(SEQ,), num_classes=2,
+              train_examples=BATCH * STEPS, eval_examples=BATCH), _regex_layout, lora=True),
     # EfficientNetB0 at 32x32 is chaotic under SGD at 0.01 (its loss starts at
     # 6.8 for 10 classes; 4 steps amplify float32 reordering to 1e-1 of the
     # weights' scale); at 1e-3 its loss still falls and reordering stays rounding.

@@ -5,7 +5,7 @@
 Trains the mlp WIDTH x DEPTH (Adam, global batch 16, the test images) under
 --strategy=STRATEGY (MESH and --zero_stage=STAGE for dtensor) up to step STEPS,
 resuming from MODEL_DIR's checkpoint when it has one (so several runs start
-from the same weights: DTensor seeds random initialisers per device). With
+from the same checkpoint, optimizer state included). With
 SNAPSHOT, it first trains 1 step, copies MODEL_DIR (that step's checkpoint) to
 SNAPSHOT, then goes on. Run alone or as one process of a tfdist-launch cluster
 (each writes OUT_DIR/summary-<task>.json: the run summary, whose

@@ -109,44 +109,65 @@ def _input_positions(model_dir):
     return sorted(os.listdir(os.path.join(checkpointing.checkpoint_dir(model_dir), "input")))
 
 
-@pytest.mark.parametrize("strategy", ["default", "mirrored"])
-def test_resumed_run_reads_exactly_the_batches_of_an_uninterrupted_one(tmp_path, strategy):
+def _sharded(config, autoshard="auto", **data):
+    """`config` with per-pipeline sharding (the iterator-state position)."""
+    return config.replace(data=config.data.replace(autoshard=autoshard, **data))
+
+
+@pytest.mark.parametrize("strategy,order", [("default", "global"), ("mirrored", "global"),
+                                            ("mirrored", "auto")])
+def test_resumed_run_reads_exactly_the_batches_of_an_uninterrupted_one(tmp_path, strategy,
+                                                                        order):
     """Interrupted at step 8 (a run that ends there) and resumed to 12 equals
-    12 uninterrupted steps: the input position is part of the checkpoint.
+    12 uninterrupted steps: the input position is part of the checkpoint
+    (the global order's examples read, or each pipeline's iterator state).
     The same strategy computes both in the same order, so the one difference
-    possible is the data; 1e-6 is the issue's bound, and far below what one
-    other batch changes (checked below: a resume without the saved input
-    position is off by more)."""
+    possible is the data; 1e-6 is far below what one other batch changes
+    (checked below: a resume without the saved input position is off by more)."""
     common = dict(steps_per_loop=2, checkpoint_every=4, learning_rate=0.05, batch=64)
-    straight = _train(run_config(strategy, steps=12, **common))
+
+    def config(**kwargs):
+        return _sharded(run_config(strategy, **common, **kwargs), order)
+
+    straight = _train(config(steps=12))
     first_dir, second_dir = str(tmp_path / "a"), str(tmp_path / "b")
     for model_dir in (first_dir, second_dir):
-        _train(run_config(strategy, steps=8, model_dir=model_dir, **common))
-    # Each pipeline saved its position next to checkpoints 4 and 8.
-    [pipeline] = _input_positions(first_dir)
-    assert pipeline.endswith("-pipeline-0-of-1")
-    resumed = _train(run_config(strategy, steps=12, model_dir=first_dir, **common))
+        _train(config(steps=8, model_dir=model_dir))
+    # The position was saved next to checkpoints 4 and 8.
+    [position] = _input_positions(first_dir)
+    assert position.startswith("global-") if order == "global" else \
+        position.endswith("-pipeline-0-of-1")
+    resumed = _train(config(steps=12, model_dir=first_dir))
     assert resumed.summary["steps"] == 12
     assert_weights_close(resumed.model.variables, straight.model.variables, rtol=0, atol=1e-6)
     # Without the position it draws a fresh permutation: other batches, other weights.
     import shutil
     shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(second_dir), "input"))
-    fresh = _train(run_config(strategy, steps=12, model_dir=second_dir, **common))
+    fresh = _train(config(steps=12, model_dir=second_dir))
     differences = [np.max(np.abs(np.asarray(a) - np.asarray(b)))
                    for a, b in zip(fresh.model.variables, straight.model.variables)]
     assert max(differences) > 1e-4, differences
 
 
 def test_input_position_of_other_input_settings_is_not_restored(tmp_path, caplog):
-    """Another batch size reads other batches: its run must not restore the
-    position saved by this one (a fresh permutation, with a warning)."""
+    """Another shuffle buffer is another order: its run must not restore the
+    position saved by this one (a fresh permutation, with a warning). Another
+    global batch size is the same order: the run goes on from the examples
+    read, in its own batches."""
     model_dir = str(tmp_path)
     _train(run_config("default", steps=4, batch=32, checkpoint_every=4, model_dir=model_dir))
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         resumed = _train(run_config("default", steps=6, batch=64, steps_per_loop=2,
                                     model_dir=model_dir))
     assert resumed.summary["steps"] == 6
-    assert "no input position was saved at step 4" in caplog.text
+    assert "input position: 128 examples read" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        resumed = _train(_sharded(run_config("default", steps=8, batch=64, steps_per_loop=2,
+                                             model_dir=model_dir), "global", shuffle_buffer=7))
+    assert resumed.summary["steps"] == 8
+    assert "no input position of this data and shuffle buffer was saved at step 6" \
+        in caplog.text
     assert len(_input_positions(model_dir)) == 2
 
 
@@ -158,9 +179,9 @@ def test_input_that_cannot_be_checkpointed_resumes_with_a_fresh_permutation(tmp_
         return tf.data.Dataset.from_generator(lambda: plain.as_numpy_iterator(),
                                               output_signature=plain.element_spec)
 
-    def train(steps):
-        config = run_config("default", steps=steps, steps_per_loop=2, checkpoint_every=2,
-                            model_dir=str(tmp_path))
+    def train(steps):   # per-pipeline sharding: its position is the iterator's state
+        config = _sharded(run_config("default", steps=steps, steps_per_loop=2,
+                                     checkpoint_every=2, model_dir=str(tmp_path)))
         return tfdist.train(config, model_fn=lambda spec: models.build(config.model, spec),
                             dataset_fn=generator_dataset_fn, spec=IMAGE_SPEC)
 
@@ -173,15 +194,23 @@ def test_input_that_cannot_be_checkpointed_resumes_with_a_fresh_permutation(tmp_
     assert "no input position was saved at step 4" in caplog.text
 
 
-def test_dtensor_resumes_with_a_fresh_permutation_and_says_so(tmp_path, caplog):
+def test_dtensor_resumes_at_its_input_position(tmp_path, caplog):
+    """DTensor's iterator cannot be saved, but the global order's position is
+    the examples read: resumed at step 4, it equals 6 uninterrupted steps."""
     model_dir = str(tmp_path)
-    _train(run_config("dtensor", steps=4, checkpoint_every=2, steps_per_loop=2,
-                      model_dir=model_dir))
+    common = dict(steps_per_loop=2, learning_rate=0.05, batch=64)
+    straight = _train(run_config("dtensor", steps=6, **common))
+    _train(run_config("dtensor", steps=4, checkpoint_every=2, model_dir=model_dir, **common))
     with caplog.at_level("WARNING"):
-        resumed = _train(run_config("dtensor", steps=6, steps_per_loop=2, model_dir=model_dir))
+        resumed = _train(run_config("dtensor", steps=6, model_dir=model_dir, **common))
     assert resumed.summary["steps"] == 6
+    assert "fresh permutation" not in caplog.text
+    assert_weights_close(resumed.model.variables, straight.model.variables, rtol=0, atol=1e-6)
+    # Per-pipeline sharding has no position DTensor can save: it says so.
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _train(_sharded(run_config("dtensor", steps=8, model_dir=model_dir, **common)))
     assert "--strategy=dtensor cannot checkpoint its input iterator" in caplog.text
-    assert not os.path.exists(os.path.join(checkpointing.checkpoint_dir(model_dir), "input"))
 
 
 def test_nocheckpoint_input_saves_no_position(tmp_path, caplog):

@@ -677,3 +677,21 @@ def test_custom_gradients_on_tape_trace_no_identity_n():
     assert not identity_n and list(gradient) == [6.0, 6.0]
     identity_n, gradient = traced()
     assert identity_n and list(gradient) == [6.0, 6.0]
+
+
+def test_keras_random_draws_reach_keras_initializers_in_their_scope_only():
+    """Inside the scope a Keras initializer's draw goes through the
+    replacement, with the seed Keras would use; outside (the control) it does
+    not."""
+    seen = []
+
+    def replacement(original, shape, **kwargs):
+        seen.append((tuple(shape), compat.keras_seed_tensor(kwargs["seed"]).shape))
+        return tf.fill(shape, 7.0)
+
+    initializer = keras.initializers.GlorotUniform(seed=1)
+    with compat.keras_random_draws({"uniform": replacement}):
+        inside = initializer((3, 2)).numpy()
+    outside = initializer((3, 2)).numpy()
+    assert (inside == 7.0).all() and seen == [((3, 2), (2,))]
+    assert not (outside == 7.0).any()

@@ -306,7 +306,7 @@ def test_resumed_ranks_read_exactly_the_batches_of_an_uninterrupted_run(first_ru
     model_dir = str(first_dir / "run")
     assert checkpointing.saved_steps(model_dir)[-1] == 12
     positions = sorted(os.listdir(os.path.join(checkpointing.checkpoint_dir(model_dir), "input")))
-    assert [p.split("-", 1)[1] for p in positions] == ["pipeline-0-of-2", "pipeline-1-of-2"]
+    assert len(positions) == 1 and positions[0].startswith("global-"), positions
     assert "fresh permutation" not in resumed.stderr
     straight = _weights(straight_dir, 0)
     assert_weights_close(_weights(resumed_dir, 0), straight, rtol=0, atol=1e-6)

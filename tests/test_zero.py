@@ -98,8 +98,8 @@ def _zero_stage_config(case, stage, mesh, **train):
                  marks=pytest.mark.slow),
 ])
 def test_zero_stages_match_one_device(references, case, stage, mesh, train):
-    """Adam from the same initial weights (set from the host: DTensor seeds
-    random initialisers per device), the tolerance of `_assert_matches`."""
+    """Adam from the same initial weights (set from the host, so every stage
+    also loads host values onto its layout), the tolerance of `_assert_matches`."""
     initial, reference = references[case]
     result = _train(_zero_stage_config(case, stage, mesh, **train), case, initial)
     assert result.summary["zero_stage"] == stage

@@ -54,7 +54,7 @@ class Checkpointer:
         self._current: Optional[str] = None   # saved or restored by this process
         # This process's input position, saved with every checkpoint (when the
         # engine's input iterator can be checkpointed; see `InputPosition`).
-        self.input_position: Optional[InputPosition] = None
+        self.input_position = None   # InputPosition or GlobalInputPosition
         # State each replica keeps for itself (error feedback, local optimizer
         # state), saved by every process with every checkpoint (`ReplicaState`).
         self.replica_state: Optional[ReplicaState] = None
@@ -236,6 +236,69 @@ class InputPosition:
                             first_line(error))
             return False
         return True
+
+
+class GlobalInputPosition:
+    """Where a run is in the one global order of its training data
+    (`--autoshard=global`): the seed the order was drawn with and the global
+    examples read, saved beside each checkpoint as
+    `checkpoints/input/global-<signature>/ckpt-S.json`.
+
+    It does not depend on the engine, the cluster size or the global batch
+    (only the data, the shuffle buffer and the order's seed enter the
+    signature), so a checkpoint resumes under any synchronous engine and size
+    at the same example. Every process writes the same file (written to a
+    temporary name and renamed: never half-written), so a run whose processes
+    do not share a file system finds it too.
+    """
+
+    def __init__(self, directory: str, *, signature: dict, keep: int):
+        import hashlib
+        import json
+        digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
+                                .encode()).hexdigest()[:12]
+        self.directory = os.path.join(directory, "input", f"global-{digest}")
+        self.keep = keep
+        self.seed = self.start_example = self.start_step = self.global_batch = None
+
+    def track(self, seed: int, start_example: int, start_step: int, global_batch: int) -> None:
+        """The order drawn with `seed` was entered at `start_example` at
+        `start_step`; each step reads `global_batch` examples."""
+        self.seed, self.start_example = seed, start_example
+        self.start_step, self.global_batch = start_step, global_batch
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{_PREFIX}-{step}.json")
+
+    def save(self, step: int) -> None:
+        import json
+        examples = self.start_example + (step - self.start_step) * self.global_batch
+        path = self._path(step)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"seed": self.seed, "examples": examples}, f)
+            os.replace(tmp, path)
+        except OSError as error:
+            logging.warning("cannot save the input position (%s); a run resumed from step %d "
+                            "draws a fresh permutation of the data", first_line(error), step)
+            return
+        saved = sorted((_step_of(p[:-len(".json")]) for p in
+                        glob.glob(os.path.join(self.directory, f"{_PREFIX}-*.json"))),
+                       reverse=True)
+        for old in saved[self.keep:]:
+            _remove(self._path(old))
+
+    def restore(self, step: int) -> Optional[tuple]:
+        """(seed, global examples read) saved at `step`, or None."""
+        import json
+        try:
+            with open(self._path(step)) as f:
+                saved = json.load(f)
+            return int(saved["seed"]), int(saved["examples"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
 
 class ReplicaState:

@@ -368,6 +368,27 @@ def keras_variable_of(initial_value):
     return None
 
 
+def keras_initializer_of(initial_value):
+    """The Keras initializer object a Keras variable's deferred initial value
+    calls, or None (a tensor or a plain callable given as the initializer).
+
+    What: the closure of the same callable as `keras_variable_of` (`lambda:
+    initializer(self._shape, dtype=self._dtype)`). Why: the DTensor engine
+    draws a sharded variable's value shard by shard only for initializers it
+    knows to be element-wise (`tfdist/strategies/dtensor_init.py`). Verified:
+    keras 3.15.1. Check: `tests/test_dtensor_init.py` (a sharded variable of
+    each kind matches one device's)."""
+    import keras
+    for cell in getattr(initial_value, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, keras.initializers.Initializer):
+            return value
+    return None
+
+
 def check_keras_variable_of() -> None:
     """`UpstreamChanged` unless a variable creator still finds the Keras
     variable being created through `keras_variable_of` (probed once on a
@@ -654,6 +675,64 @@ def _custom_gradient_mode(module, decorator):
         yield
     finally:
         module._graph_mode_decorator = before
+
+
+# -- DTensor: initial values drawn shard by shard --------------------------------------
+
+KERAS_RANDOM_DRAWS = ("normal", "uniform", "truncated_normal")
+
+
+@contextlib.contextmanager
+def keras_random_draws(replacements: dict):
+    """Within: Keras's TensorFlow backend draws `keras.random.normal`,
+    `uniform` and `truncated_normal` with `replacements[name](original, shape,
+    ..., seed=...)` (the keyword arguments Keras passes on).
+
+    What: the functions of `keras.src.backend.tensorflow.random`, which
+    `keras.random.*` (and so every Keras random initializer) call through
+    `backend.random.<name>` at call time; restored on exit. Why: under a
+    sharded layout the DTensor engine makes each device's shard of a
+    variable's initial value equal to that slice of one device's draw, by
+    drawing the slice alone (`tfdist/strategies/dtensor_init.py`); Keras has
+    no public hook between an initializer and its random op. Verified: keras
+    3.15.1. Check: each function exists and `keras.random.<name>` still calls
+    it through `backend.random` (`tests/test_compat.py`; ZeRO-3's initial
+    weights equal one device's in `tests/test_dtensor_init.py`).
+    """
+    from keras.src.backend.tensorflow import random as backend_random
+    from keras.src.random import random as keras_random
+    originals = {}
+    for name in replacements:
+        if name not in KERAS_RANDOM_DRAWS or not callable(getattr(backend_random, name, None)) \
+                or not _code_reads(getattr(keras_random, name, None), "random"):
+            raise _changed(f"keras.src.backend.tensorflow.random.{name}",
+                           "is missing or no longer what keras.random calls")
+        originals[name] = getattr(backend_random, name)
+        if not (_code_reads(originals[name], "draw_seed")
+                and _code_reads(originals[name], "_cast_seed")):
+            raise _changed(f"keras.src.backend.tensorflow.random.{name}",
+                           "no longer seeds with _cast_seed(draw_seed(seed))")
+    for name, replacement in replacements.items():
+        original = originals[name]
+        setattr(backend_random, name,
+                lambda *args, _r=replacement, _o=original, **kwargs: _r(_o, *args, **kwargs))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(backend_random, name, original)
+
+
+def keras_seed_tensor(seed):
+    """The int32 [2] seed tensor Keras's TensorFlow backend passes to
+    `tf.random.stateless_*` for `seed` (an int, a `SeedGenerator` (advanced
+    once) or a tensor): `_cast_seed(draw_seed(seed))` of
+    `keras.src.backend.tensorflow.random`. Verified: keras 3.15.1. Check: both
+    exist (and `keras_random_draws` checks that the draws still call them)."""
+    from keras.src.backend.tensorflow import random as backend_random
+    draw = _require(backend_random, "draw_seed", "keras tensorflow random.draw_seed")
+    cast = _require(backend_random, "_cast_seed", "keras tensorflow random._cast_seed")
+    return cast(draw(seed))
 
 
 # -- DTensor: how stage 3 (FSDP) gathers --------------------------------------------

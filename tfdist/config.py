@@ -18,7 +18,7 @@ from tfdist.errors import ConfigError, UsageError
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 COLLECTIVES = ("auto", "ring", "nccl")
-AUTOSHARD = ("auto", "file", "data", "off")
+AUTOSHARD = ("global", "auto", "file", "data", "off")
 GRAD_COMPRESSION = ("none", "fp16", "bf16", "powersgd", "topk")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 LR_SCALING = ("none", "linear", "sqrt")
@@ -194,10 +194,14 @@ class DataConfig(_Replace):
     synthetic: bool = False          # random tensors of the dataset's shapes, for benchmarking
     shuffle_buffer: int = 10_000
     # How training input is split between input pipelines (workers):
+    # global: every pipeline reads every example in one seeded order and keeps
+    # its rows of each global batch (the same batches on every engine and
+    # cluster size; a checkpoint resumes under any of them);
     # file: each reads its own files; data: each reads its own examples;
     # off: each reads everything (differently shuffled); auto: file if the
-    # split has enough files, else data.
-    autoshard: str = "auto"
+    # split has enough files, else data. The last four read less per worker
+    # but give batches that depend on the number of workers.
+    autoshard: str = "global"
     # Images: resize to image_size x image_size (None: as stored; needed for
     # datasets whose images differ in size).
     image_size: Optional[int] = None
@@ -281,8 +285,9 @@ class TrainConfig(_Replace):
     log_every: int = 0                  # steps between log lines; 0: every loop
     checkpoint_every: int = 0           # steps between checkpoints; 0: only at the end
     keep_checkpoints: int = 3
-    # Save each input pipeline's position (tf.data iterator state, shuffle
-    # buffer included) with every checkpoint, for an exact resume.
+    # Save the input position with every checkpoint, for an exact resume
+    # (the global order's examples read; with per-pipeline sharding each
+    # pipeline's tf.data iterator state, shuffle buffer included).
     checkpoint_input: bool = True
     model_dir: Optional[str] = None     # None: no checkpoints, no summary file
     # After training the chief writes model.keras and a SavedModel here.

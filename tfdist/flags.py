@@ -163,9 +163,11 @@ _SYNTHETIC = flags.DEFINE_boolean(
     "synthetic", _DATA_DEFAULTS.synthetic, "Feed random tensors of the dataset's shapes (benchmarking; no eval).")
 _AUTOSHARD = flags.DEFINE_enum(
     "autoshard", _DATA_DEFAULTS.autoshard, list(config_lib.AUTOSHARD),
-    "How training input is split across workers: file (each reads its own files), data "
-    "(each reads its own examples), off (each reads all, shuffled differently), auto (file "
-    "when the split has enough files, else data).")
+    "How training input is split across workers: global (every worker reads every example "
+    "in one seeded order and keeps its rows of each global batch: the same batches on every "
+    "engine and worker count, and checkpoints resume under any of them), file (each reads "
+    "its own files), data (each reads its own examples), off (each reads all, shuffled "
+    "differently), auto (file when the split has enough files, else data).")
 _SHUFFLE_BUFFER = flags.DEFINE_integer("shuffle_buffer", _DATA_DEFAULTS.shuffle_buffer, "Examples in the shuffle buffer.", lower_bound=1)
 
 _GLOBAL_BATCH_SIZE = flags.DEFINE_integer(
@@ -318,9 +320,11 @@ _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every", _TRAIN_DEFAULTS.checkpoint_every, "Save a checkpoint every N steps (0: only at the end).", lower_bound=0)
 _KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", _TRAIN_DEFAULTS.keep_checkpoints, "Checkpoints to keep.", lower_bound=1)
 _CHECKPOINT_INPUT = flags.DEFINE_boolean(
-    "checkpoint_input", _TRAIN_DEFAULTS.checkpoint_input, "Save each input pipeline's position "
-    "(its shuffle buffer included) with every checkpoint, so a resumed run reads exactly the "
-    "batches an uninterrupted one reads; off: a resumed run draws a fresh permutation.")
+    "checkpoint_input", _TRAIN_DEFAULTS.checkpoint_input, "Save the input position with every "
+    "checkpoint (--autoshard=global: the examples read, valid under any engine and worker "
+    "count; otherwise each pipeline's iterator, its shuffle buffer included), so a resumed "
+    "run reads exactly the batches an uninterrupted one reads; off: a resumed run draws a "
+    "fresh permutation.")
 _SEED = flags.DEFINE_integer("seed", _TRAIN_DEFAULTS.seed, "Seed for weights, shuffling and synthetic data.", lower_bound=0)
 
 # `--help` lists tfdist's flags in these groups, in this order (tfdist/help.py).

@@ -21,6 +21,10 @@ import tensorflow as tf
 from tfdist.data.spec import DatasetSpec
 
 AUTOTUNE = tf.data.AUTOTUNE
+# One global order: epoch e of the training data is shuffled with seed
+# `seed + EPOCH_SEED_STRIDE * e`; the epochs are counted up to MAX_EPOCHS.
+EPOCH_SEED_STRIDE = 104_729
+MAX_EPOCHS = 1 << 40
 
 
 class Inputs(abc.ABC):
@@ -42,11 +46,52 @@ class Inputs(abc.ABC):
         """Raise `UsageError` before training if the input cannot be split this way."""
 
     def train_batches(self, context, batch_size: int, seed: int, shuffle_buffer: int):
-        """Infinite, shuffled batches of `batch_size` for training."""
+        """Infinite, shuffled batches of `batch_size` for training, of this
+        pipeline's own share of the examples (`--autoshard=auto|file|data|off`)."""
         ds = with_weights(self.examples("train", context, shuffle_seed=seed))
         ds = ds.shuffle(shuffle_buffer, seed=seed + context.input_pipeline_id,
                         reshuffle_each_iteration=True)
         return ds.repeat().batch(batch_size, drop_remainder=True)
+
+    def global_train_batches(self, context, global_batch_size: int, seed: int,
+                             shuffle_buffer: int, start_example: int = 0):
+        """Infinite batches of this replica's rows of one global order
+        (`--autoshard=global`), from global example `start_example` on.
+
+        Every pipeline reads every training example in file order; epoch e is
+        shuffled with seed `seed + EPOCH_SEED_STRIDE * e` (the same in every
+        pipeline) and the epochs follow one another; the stream is cut into
+        global batches, and pipeline i of N keeps rows [i·B/N, (i+1)·B/N) of
+        each, in per-replica batches. So the same seed and global batch give
+        the same global batches under every synchronous engine and cluster
+        size, and a resumed run re-reads at most one epoch to get back to its
+        position. With one pipeline whose id is not 0 (a parameter-server
+        worker: each reads on its own), the seed is offset by the id."""
+        pipelines = context.num_input_pipelines
+        every = tf.distribute.InputContext()   # one pipeline: the whole split
+        examples = with_weights(self.examples("train", every))
+        base = tf.cast(seed, tf.int64)
+        if pipelines == 1:
+            base += tf.cast(context.input_pipeline_id, tf.int64)
+        first_epoch, offset = 0, 0
+        if start_example:
+            first_epoch, offset = divmod(start_example, self.split_size("train", 1, 0))
+
+        def epoch(e):
+            return examples.shuffle(shuffle_buffer, seed=base + EPOCH_SEED_STRIDE * e,
+                                    reshuffle_each_iteration=False)
+
+        ds = tf.data.Dataset.range(first_epoch, MAX_EPOCHS).flat_map(epoch).skip(offset)
+        ds = ds.batch(global_batch_size, drop_remainder=True)
+        if pipelines > 1:
+            rows = global_batch_size // pipelines
+            first = context.input_pipeline_id * rows
+            ds = ds.map(plain(lambda *batch: tf.nest.map_structure(
+                lambda t: t[first:first + rows], batch)))
+        per_replica = context.get_per_replica_batch_size(global_batch_size)
+        if per_replica != global_batch_size // pipelines:
+            ds = ds.rebatch(per_replica, drop_remainder=True)
+        return ds
 
 
 def check_structure(element_spec) -> None:
@@ -76,12 +121,18 @@ def with_weights(ds: tf.data.Dataset, *, batched: bool = False) -> tf.data.Datas
 
 
 def train_dataset_fn(inputs: Inputs, *, global_batch_size: int, seed: int,
-                     shuffle_buffer: int):
-    """`dataset_fn(input_context)` for training: (x, y, weight) batches."""
+                     shuffle_buffer: int, global_order: bool = True, start_example: int = 0):
+    """`dataset_fn(input_context)` for training: (x, y, weight) batches of
+    one global order (`Inputs.global_train_batches`, from `start_example`),
+    or of each pipeline's own share (`global_order=False`)."""
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        batch = context.get_per_replica_batch_size(global_batch_size)
-        ds = inputs.train_batches(context, batch, seed, shuffle_buffer)
+        if global_order:
+            ds = inputs.global_train_batches(context, global_batch_size, seed, shuffle_buffer,
+                                             start_example)
+        else:
+            batch = context.get_per_replica_batch_size(global_batch_size)
+            ds = inputs.train_batches(context, batch, seed, shuffle_buffer)
         return _batch_weights(ds).prefetch(AUTOTUNE)
 
     return dataset_fn

@@ -44,3 +44,10 @@ class SyntheticInputs(Inputs):
     def train_batches(self, context, batch_size, seed, shuffle_buffer):
         batch = self._random_example_batch(batch_size, seed + context.input_pipeline_id)
         return tf.data.Dataset.from_tensors(batch).repeat()
+
+    def global_train_batches(self, context, global_batch_size, seed, shuffle_buffer,
+                             start_example=0):
+        """The same batch every step (a benchmark measures the engine, not
+        the data): this pipeline's per-replica batch, as `train_batches`."""
+        return self.train_batches(context, context.get_per_replica_batch_size(global_batch_size),
+                                  seed, shuffle_buffer)

@@ -313,7 +313,7 @@ class TfdsInputs(Inputs):
 
     def _train_sharding(self, pipelines: int) -> str:
         mode, files = self.config.autoshard, self._num_files("train")
-        if pipelines == 1:
+        if pipelines == 1 or mode == "global":   # global: every pipeline reads everything
             return "off"
         if mode == "auto":
             return "file" if files >= pipelines else "data"

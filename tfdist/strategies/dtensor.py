@@ -24,10 +24,12 @@ the variable's rule leaves whole (`sharding.zero_spec`):
      stored split; inside `compute_scope` (the trainer's forward and backward
      passes) every read of it is relayouted to its rule's layout (an
      all-gather), and the gradient of that relayout comes back split as
-     stored (a reduce-scatter). Each shard is created where it lives: the
-     initial value is computed by a DTensor function whose output has the
-     stored layout, so no process builds a whole variable (DTensor seeds
-     random ops per device: initial values then differ by mesh).
+     stored (a reduce-scatter).
+Under every split layout (any stage, tensor parallel too) each device's shard
+of a Keras variable's initial value is drawn alone, equal to that slice of one
+device's value (`dtensor_init`): the same seed gives the same initial weights
+on every mesh and engine, and no process makes a whole variable whose
+initializer is element-wise.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import TensorSharding
 from tfdist.observe import hardware, logs
 from tfdist.strategies import watchdog
-from tfdist.strategies import dtensor_ops, dtensor_updates, multi_worker
+from tfdist.strategies import dtensor_init, dtensor_ops, dtensor_updates, multi_worker
 
 
 def _keras_path(initial_value, name: str) -> str:
@@ -98,30 +100,6 @@ class _Gathering(threading.local):
 
 
 _gathering = _Gathering()   # inside DTensorStrategy.compute_scope (this thread)
-
-
-def _made_on_mesh(initial_value, layout, dtype):
-    """`initial_value()` computed as a DTensor with `layout`, each device
-    making only its own shard: in a DTensor function, the relayout of the
-    result propagates the layout back to the ops that make it (verified for
-    Keras's random and constant initializers: the shards differ from one
-    device's values, so nothing whole was made and sliced). Eagerly,
-    `dtensor.call_with_layout` cannot do this for Keras's random
-    initializers: their rank-1 seed takes the rank-2 default layout and fails."""
-    @tf.function(autograph=False)
-    def make():
-        return dtensor.relayout(tf.convert_to_tensor(initial_value(), dtype=dtype), layout)
-
-    # One traced function per variable, by design: TensorFlow's warning that
-    # "5 out of the last 5 calls ... triggered tf.function retracing" is noise here.
-    tf_logger = tf.get_logger()
-    level = tf_logger.level
-    tf_logger.setLevel("ERROR")
-    try:
-        with dtensor.default_mesh(layout.mesh):
-            return make()
-    finally:
-        tf_logger.setLevel(level)
 
 
 def _zero_after(tensors):
@@ -276,6 +254,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         self.zero = config.zero  # the ZeRO stage (--zero_stage)
         self._predict_fns = {}   # (id(model), input structure) -> traced forward pass
         self._layer_names = set()  # the model's layers, to name one in a refusal
+        self._initial_values = dtensor_init.ShardedInit()
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -418,7 +397,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         dtype = kwargs.get("dtype")
         with tf.init_scope():
             value = None
-            if owner is None or self.zero < 3:
+            if owner is None:
                 value = initial_value() if callable(initial_value) else initial_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
                 if dtensor.is_dtensor(value):
@@ -434,9 +413,15 @@ class DTensorStrategy(Strategy, TensorSharding):
             if kind == "variable":
                 self._var_specs[path] = spec, stored
             layout = self._layout(stored)
-            if value is None:   # ZeRO-3: no process holds the whole initial value
-                initial = _made_on_mesh(initial_value, layout, dtype)
+            if value is None and kind == "variable" and any(stored):
+                # Each shard drawn alone, equal to one device's (dtensor_init).
+                initial = dtensor.pack(self._initial_values.shards(
+                    initial_value, path, shape, dtype, layout), layout)
             else:
+                if value is None:
+                    value = tf.convert_to_tensor(initial_value(), dtype=dtype)
+                    if dtensor.is_dtensor(value):   # an optimizer slot's zeros (see above)
+                        value = self.to_host(value)
                 initial = _lay_out(value, layout)
         variable = MeshVariable(initial, trainable=kwargs.get("trainable", True),
                                 name=kwargs.get("name"), dtype=dtype)
@@ -452,6 +437,9 @@ class DTensorStrategy(Strategy, TensorSharding):
         gathered as any read is, and kept from the forward to the backward pass."""
         self._layer_names = {layer.name for layer in compat.model_layers(model)}
         self._refuse_split_filters(model)
+        made_whole = self._initial_values.report()
+        if made_whole and self.is_chief:
+            logging.info(made_whole)
         if self.zero < 3:
             return
         for layer in compat.model_layers(model):
