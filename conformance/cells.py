@@ -51,10 +51,14 @@ LEARNING_RATE = 1e-3
 # end up a learning rate apart there; SGD keeps equal math equal.
 SGD_LEARNING_RATE = 0.01
 PIPELINE_MICROBATCHES = 2
+# Engines whose 2 replicas (pipeline: micro-batches) each normalise by their own
+# batch statistics.
+PER_REPLICA_STATISTICS = ("mirrored", "multi_worker", "horovod", "pipeline")
 
 
-def config_for(engine, precision="float32", sgd=False, learning_rate=None):
-    train = dict(global_batch_size=BATCH, train_steps=STEPS, steps_per_loop=STEPS,
+def config_for(engine, precision="float32", sgd=False, learning_rate=None, steps=None):
+    steps = steps or STEPS
+    train = dict(global_batch_size=BATCH, train_steps=steps, steps_per_loop=steps,
                  jit_compile="off", precision=precision)
     if engine == "pipeline":
         train["accum_steps"] = PIPELINE_MICROBATCHES
@@ -106,10 +110,20 @@ def host_data(case, split="train"):
     return x, y.numpy()
 
 
-def mean_loss(model, x, y, training):
+def mean_loss(model, x, y, training, chunk=None):
+    """The mean loss over `x`, in chunks of `chunk` examples (a training-mode
+    BatchNorm then normalises each chunk by its own statistics, as a replica
+    or micro-batch of that size does)."""
     import keras
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return float(loss(y, model(x, training=training)))
+    n = len(y)
+    chunk = chunk or n
+    parts = []
+    for start in range(0, n, chunk):
+        take = slice(start, start + chunk)
+        xs = {k: v[take] for k, v in x.items()} if isinstance(x, dict) else x[take]
+        parts.append(float(loss(y[take], model(xs, training=training))))
+    return float(np.mean(parts))
 
 
 def weight_difference(final, reference, paths):
@@ -147,7 +161,8 @@ def run_cell(workdir, engine, case, precision):
     start = time.monotonic()
     try:
         result = tfdist.train(config_for(engine, precision, sgd=case.batch_norm,
-                                           learning_rate=case.learning_rate), model_fn=model_fn,
+                                           learning_rate=case.learning_rate,
+                                           steps=case.steps), model_fn=model_fn,
                               dataset_fn=dataset_fn, spec=spec, layout_rules=layout_rules)
     except tfdist.UsageError as error:
         cell.update(status="refused", reason=str(error).strip().splitlines()[0][:300],
@@ -309,8 +324,11 @@ def run_cell(workdir, engine, case, precision):
         keras.utils.set_random_seed(0)
         before_model = case.build(spec)
         before_model.set_weights(initial)
-        before = mean_loss(before_model, x, y, training=True)
-        after = mean_loss(model, x, y, training=True)
+        # Engines whose replicas (micro-batches) normalise by their own batch
+        # statistics train BatchNorm models on half-batches: measure so.
+        chunk = BATCH // 2 if case.batch_norm and engine in PER_REPLICA_STATISTICS else None
+        before = mean_loss(before_model, x, y, training=True, chunk=chunk)
+        after = mean_loss(model, x, y, training=True, chunk=chunk)
         moved = max(float(np.abs(a - b).max()) for a, b in zip(final, initial))
         cell.update(loss_before=before, loss_after=after, weights_moved=moved)
         ok = np.isfinite(after) and after < before and moved > 0
@@ -330,7 +348,7 @@ def expected_to_match(engine, case, precision):
     one device (then the weights must agree to rounding), and why not."""
     if engine == "parameter_server":
         return False, "asynchronous: each step is one worker's global batch from its own pipeline"
-    if case.batch_norm and engine in ("mirrored", "multi_worker", "horovod", "pipeline"):
+    if case.batch_norm and engine in PER_REPLICA_STATISTICS:
         return False, "BatchNorm normalises by each replica's (micro-)batch statistics"
     return True, ""
 

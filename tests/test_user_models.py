@@ -158,6 +158,8 @@ def depthwise_model(spec, separable=True):
     # ZeRO-3 the split of the moving statistics must not reach it.
     x = keras.layers.BatchNormalization(axis=3, name="bn")(x)
     x = keras.layers.Activation("swish")(x)
+    # DenseNet's and Inception's average pooling (its gradient is rewritten too)
+    x = keras.layers.AveragePooling2D(2, strides=1, padding="same", name="pool")(x)
     se = keras.layers.GlobalAveragePooling2D(keepdims=True)(x)
     se = keras.layers.Conv2D(6, 1, activation="swish", name="se_reduce")(se)
     se = keras.layers.Conv2D(x.shape[-1], 1, activation="sigmoid", name="se_expand")(se)
@@ -192,6 +194,26 @@ def test_depthwise_convolutions_train_like_one_device(depthwise_references, zero
     initial, reference = depthwise_references[separable]
     _assert_matches(_train_depthwise(_config("dtensor", "batch:4,model:1", zero), initial,
                                      separable), reference, initial)
+
+
+@pytest.mark.parametrize("pool,stride,padding,size", [
+    (2, 2, "VALID", 8), (2, 1, "SAME", 7), (3, 2, "SAME", 9), (3, 1, "VALID", 6)])
+def test_average_pooling_gradient_matches_the_native_op(pool, stride, padding, size):
+    """The rewrite against TensorFlow's `AvgPoolGrad`, on one device (sums of
+    at most k² terms in another order: 1e-6 relative)."""
+    x = tf.constant(np.random.default_rng(1).normal(size=(2, size, size + 1, 3)), tf.float32)
+
+    def gradient():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.avg_pool2d(x, pool, stride, padding)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    native = gradient()
+    with dtensor_ops.shardable_gradients():
+        rewritten = gradient()
+    np.testing.assert_allclose(rewritten.numpy(), native.numpy(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kernel,stride,dilation,padding,multiplier,size", [

@@ -187,7 +187,7 @@ class MeshVariable(dtensor.DVariable):
 
     def _host_to_mesh(self, value):
         if not tf.executing_eagerly():
-            if self.compute_layout is not None:
+            if self.compute_layout is not None and not self.trainable:
                 # A split state variable assigned in the step (BatchNormalization's
                 # moving statistics under ZeRO-3): the value is made whole, then
                 # split. Assigned directly, DTensor's layout propagation pulls the
@@ -196,6 +196,9 @@ class MeshVariable(dtensor.DVariable):
                 # ("requires dimension 3 to be divisible ... size=6", EfficientNet's
                 # BatchNormalization(axis=3) beside a 6-wide squeeze-excite). The
                 # relayout to the computing layout is a boundary it cannot cross.
+                # Not for trainable variables: their updates arrive in the stored
+                # layout already (dtensor_updates), and made whole they would cost
+                # every process the whole update.
                 value = dtensor.relayout(dtensor.relayout(value, self.compute_layout),
                                          self.layout)
             return value
@@ -254,7 +257,7 @@ class DTensorStrategy(Strategy, TensorSharding):
         self.zero = config.zero  # the ZeRO stage (--zero_stage)
         self._predict_fns = {}   # (id(model), input structure) -> traced forward pass
         self._layer_names = set()  # the model's layers, to name one in a refusal
-        self._initial_values = dtensor_init.ShardedInit()
+        self._initial_values = dtensor_init.ShardedInit(to_host=self.to_host)
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -413,7 +416,7 @@ class DTensorStrategy(Strategy, TensorSharding):
             if kind == "variable":
                 self._var_specs[path] = spec, stored
             layout = self._layout(stored)
-            if value is None and kind == "variable" and any(stored):
+            if value is None and any(stored):
                 # Each shard drawn alone, equal to one device's (dtensor_init).
                 initial = dtensor.pack(self._initial_values.shards(
                     initial_value, path, shape, dtype, layout), layout)

@@ -159,8 +159,14 @@ def _whole(kind, shape, dtype, seed, kwargs):
 class ShardedInit:
     """Makes the shards of Keras variables' initial values (see the module doc)."""
 
-    def __init__(self):
+    def __init__(self, to_host=None):
         self.made_whole: list[tuple[str, int]] = []   # (path, elements) made whole
+        # A value made on the mesh already (an optimizer slot's zeros are made
+        # "colocated with" their DTensor variable) as a host tensor.
+        self._to_host = to_host or (lambda value: value)
+
+    def _host(self, value):
+        return self._to_host(value) if dtensor.is_dtensor(value) else value
 
     def shards(self, initial_value, path: str, shape, dtype, layout) -> list:
         """This process's shards of `initial_value()` (a Keras variable's
@@ -171,7 +177,7 @@ class ShardedInit:
         kind = _kind(compat.keras_initializer_of(initial_value))
         if kind == "constant":   # zeros, ones, a scalar constant: each shard alone
             initializer = compat.keras_initializer_of(initial_value)
-            return [tf.convert_to_tensor(initializer(sizes, dtype=dtype), dtype=dtype)
+            return [self._host(tf.convert_to_tensor(initializer(sizes, dtype=dtype), dtype=dtype))
                     for _, sizes in found]
         if kind is None:
             return self._sliced(initial_value, path, shape, dtype, found)
@@ -206,7 +212,7 @@ class ShardedInit:
 
     def _sliced(self, initial_value, path, shape, dtype, found) -> list:
         """The whole value, made here, sliced into the shards."""
-        value = tf.convert_to_tensor(initial_value(), dtype=dtype)
+        value = self._host(tf.convert_to_tensor(initial_value(), dtype=dtype))
         if tuple(value.shape) != shape:
             raise ValueError(f"the initializer of {path} made shape {tuple(value.shape)}, "
                              f"not {shape}")

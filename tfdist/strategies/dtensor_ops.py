@@ -22,6 +22,10 @@ forward depthwise op all have DTensor rules. The forward pass stays the
 native op; the backward pass recomputes each tap's slice from the input kept
 for the native gradient (nothing k² times the activations is kept from the
 forward pass). `bench/depthwise.py` measures it against the native gradient.
+
+An average pooling's gradient (`AvgPoolGrad`, DenseNet's transitions) has no
+DTensor rule either; it is the input gradient of a depthwise convolution with
+a kernel of ones, the output gradient divided by each window's count.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from tfdist import compat
 from tfdist.errors import UsageError
 
 DEPTHWISE = "DepthwiseConv2dNative"
+AVG_POOL = "AvgPool"
 
 
 def _pads(padding: str, explicit, size: int, out: int, kernel: int, stride: int,
@@ -75,7 +80,6 @@ def depthwise_gradients(x, kernel, dy, *, strides, padding: str, dilations,
     left, right = _pads(padding, explicit_paddings, width, out_w, k_w, s_w, d_w, 2)
     x_pad = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
     padded_h, padded_w = height + top + bottom, width + left + right
-    rows, cols = (out_h - 1) * s_h + 1, (out_w - 1) * s_w + 1   # the taps' extent
     dy5 = tf.reshape(dy, [-1, out_h, out_w, channels, multiplier])
     # Each tap's strided view of x_pad as a unit-stride slice: rows split into
     # (row // s, row % s), so offset i·d is block (i·d) // s, phase (i·d) % s.
@@ -93,6 +97,22 @@ def depthwise_gradients(x, kernel, dy, *, strides, padding: str, dilations,
             tap = phased[:, bi:bi + out_h, pi, bj:bj + out_w, pj, :]
             taps.append(tf.reduce_sum(tap[..., None] * dy5, axis=[0, 1, 2]))
     dkernel = tf.reshape(tf.stack(taps), [k_h, k_w, channels, multiplier])
+    dx = depthwise_input_gradient(height, width, kernel, dy, strides=strides, padding=padding,
+                                  dilations=dilations, explicit_paddings=explicit_paddings)
+    return dx, dkernel
+
+
+def depthwise_input_gradient(height: int, width: int, kernel, dy, *, strides, padding: str,
+                             dilations, explicit_paddings=()):
+    """dx of `tf.nn.depthwise_conv2d(x, kernel, ...)` for an input `x` of
+    `height` x `width` (NHWC): it needs no values of x."""
+    k_h, k_w, channels, multiplier = kernel.shape
+    _, out_h, out_w, _ = dy.shape
+    s_h, s_w, d_h, d_w = strides[1], strides[2], dilations[1], dilations[2]
+    top, bottom = _pads(padding, explicit_paddings, height, out_h, k_h, s_h, d_h, 1)
+    left, right = _pads(padding, explicit_paddings, width, out_w, k_w, s_w, d_w, 2)
+    padded_h, padded_w = height + top + bottom, width + left + right
+    rows, cols = (out_h - 1) * s_h + 1, (out_w - 1) * s_w + 1   # the taps' extent
     # dx_pad[p] = Σ_i dy_spread[p - i·d] · W[i]: a full correlation of the
     # output gradient, spread to stride 1, with the flipped kernel, i.e. the
     # forward depthwise op (which DTensor lays out) on C·M channels.
@@ -104,8 +124,25 @@ def depthwise_gradients(x, kernel, dy, *, strides, padding: str, dilations,
                                     dilations=[d_h, d_w])
     dx_pad = tf.reduce_sum(tf.reshape(dx_pad, [-1, padded_h, padded_w, channels, multiplier]),
                            axis=-1)
-    dx = dx_pad[:, top:top + height, left:left + width, :]
-    return dx, dkernel
+    return dx_pad[:, top:top + height, left:left + width, :]
+
+
+def avg_pool_input_gradient(x_shape, dy, *, ksize, strides, padding: str):
+    """dx of `tf.nn.avg_pool2d(x, ksize, strides, padding)` (NHWC): each
+    output's gradient divided by the number of inputs its window averaged
+    (k·k, fewer at a SAME border), then handed back to those inputs, which
+    is the input gradient of a depthwise convolution with a kernel of ones."""
+    _, height, width, channels = x_shape
+    k_h, k_w = ksize[1], ksize[2]
+    if padding == "SAME":
+        counts = tf.nn.depthwise_conv2d(tf.ones([1, height, width, 1], dy.dtype),
+                                        tf.ones([k_h, k_w, 1, 1], dy.dtype), strides, "SAME")
+        dy = dy / counts
+    else:
+        dy = dy / tf.cast(k_h * k_w, dy.dtype)
+    ones = tf.ones([k_h, k_w, channels, 1], dy.dtype)
+    return depthwise_input_gradient(height, width, ones, dy, strides=strides, padding=padding,
+                                    dilations=[1, 1, 1, 1])
 
 
 def _attr(op, name):
@@ -133,10 +170,22 @@ def _depthwise_grad(op, grad):
     return dx, dkernel
 
 
+def _avg_pool_grad(op, grad):
+    """The registered gradient of `AvgPool`, as `avg_pool_input_gradient`."""
+    x = op.inputs[0]
+    ksize, strides = list(_attr(op, "ksize")), list(_attr(op, "strides"))
+    if None in x.shape[1:] or _attr(op, "data_format") != "NHWC":
+        raise ValueError("an average pooling's gradient on a mesh needs NHWC and static "
+                         f"spatial shapes; got input {x.shape}, {_attr(op, 'data_format')}")
+    return avg_pool_input_gradient(x.shape, grad, ksize=ksize, strides=strides,
+                                   padding=_attr(op, "padding"))
+
+
 @contextlib.contextmanager
 def shardable_gradients():
     """Within: gradients of the ops above are taken as written here."""
-    with compat.gradient_overridden(DEPTHWISE, _depthwise_grad):
+    with compat.gradient_overridden(DEPTHWISE, _depthwise_grad), \
+            compat.gradient_overridden(AVG_POOL, _avg_pool_grad):
         yield
 
 
@@ -150,7 +199,8 @@ def shardable_gradients():
 # many others (variable reads, the input iterator) are lowered by DTensor's
 # passes without a rule.
 SEEN_WITHOUT_RULE = frozenset({
-    "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput", "SoftplusGrad",
+    "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput", "AvgPoolGrad",
+    "SoftplusGrad",
     "ReverseV2", "MatrixDiagPartV3", "OptionalNone", "TensorListFromTensor",
     "TensorListStack", "TensorListLength", "TensorListElementShape", "TensorListPushBack",
     "TensorListPopBack", "TensorListConcatV2", "TensorListSplit", "TensorListGather",
