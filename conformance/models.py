@@ -76,7 +76,7 @@ def dataset_fn_for(case):
         return image_dataset_fn
     vocab = case.spec_args["num_classes"] if case.family == "causal_lm" else 64
     return token_dataset_fn(vocab if case.family == "causal_lm" else 64,
-                            with_segments=case.name == "bert",
+                            with_segments=case.name.startswith("bert"),
                             classify=case.family == "text_classifier")
 
 
