@@ -18,9 +18,12 @@ nears zero (batch-order noise stays roughly constant in absolute terms while
 the loss falls). The run diverges when the largest smoothed relative gap
 exceeds `--tolerance` (a non-finite loss on either side always diverges).
 
-Why smooth: replicas that read different examples (multi_worker, horovod)
-see different batches at each step, so their per-step losses differ by
-batch noise even when training is sound; a moving average keeps the trend.
+Why smooth: with per-worker input sharding (`--autoshard=file|data|off|auto`)
+multi_worker and horovod replicas see other batches than the default run at
+each step, so their per-step losses differ by batch noise even when training
+is sound; a moving average keeps the trend. In the one global order (the
+default `--autoshard=global`) they read the default run's global batches and
+the curves agree to float32 rounding, as `mirrored`'s do.
 
 Why 0.1 (10 %) as the default tolerance, with figures measured on a 2-core
 Xeon (AVX-512), global batch 64-128, 15-100 steps:
@@ -30,8 +33,9 @@ Xeon (AVX-512), global batch 64-128, 15-100 steps:
   from run to run), far inside 0.1. A model with BatchNorm normalises by each
   replica's half batch, so the cnn (demo.cfg) differs for real: 0.064 over
   60 steps, still inside.
-- `multi_worker` and `horovod` shard the input by worker, so every step sees
-  other examples than the default run: the curves match only in trend. On
+- `multi_worker` and `horovod` with per-worker input sharding (measured so,
+  before the global order was the default): every step sees other examples
+  than the default run, and the curves match only in trend. On
   demo.cfg (horovod, 2 ranks) the largest smoothed gap is 0.057 over 30 steps
   and 0.084 over 40, while the loss is above 0.7; it grows as the loss nears
   zero (0.13 over 50 steps, 0.25 over 100, at a loss of 0.14) when divided

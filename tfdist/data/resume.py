@@ -33,6 +33,7 @@ class TrainingData:
         self.checkpointer = checkpointer
         self.global_batch_size = config.train.global_batch_size
         self.eval_data, self.eval_steps = None, 0
+        self._tracked = None   # (seed, first example, first step) of the global order read
 
     def shuffle_buffer(self) -> int:
         # More than the split holds buys nothing (and 2**63 would not allocate).
@@ -66,6 +67,11 @@ class TrainingData:
         seed, start = tc.seed, 0
         if start_step:
             saved = position.restore(start_step) if position else None
+            if saved is None and self._tracked is not None:
+                # This process read the order up to here (Horovod's elastic ranks
+                # re-formed): go on in it, with the new ranks' rows.
+                seed, first_example, first_step = self._tracked
+                saved = seed, first_example + (start_step - first_step) * self.global_batch_size
             if saved is None:
                 why = ("--nocheckpoint_input" if not tc.checkpoint_input else
                        f"no input position of this data and shuffle buffer was saved at "
@@ -78,6 +84,7 @@ class TrainingData:
                 logging.info("input position: %d examples read (seed %d); the resumed run "
                              "goes on from there", start, seed)
         iterator, _ = self._iterator(seed, start)
+        self._tracked = seed, start, start_step
         if position:
             position.track(seed, start, start_step, self.global_batch_size)
         return iterator, position
