@@ -340,6 +340,32 @@ def test_two_shuffled_workers_read_the_global_batches_of_one_device(cluster_runs
     assert max(np.abs(a - b).max() for a, b in zip(other, workers[0])) > 1e-3
 
 
+@pytest.mark.timeout(240)
+def test_a_two_worker_checkpoint_resumes_on_one_device(cluster_runs, tmp_path):
+    """Another engine and size: the cluster's checkpoint at step 8 (2 workers)
+    resumed by one device to step 12 ends where the cluster's uninterrupted
+    12 steps end (to the all-reduce's rounding), reading the same batches."""
+    import glob
+    import re
+    import shutil
+    workers, initial = cluster_runs["straight"]
+    model_dir = str(tmp_path / "run")
+    shutil.copytree(cluster_runs["model_dir"], model_dir)
+    # The cluster's run may have been resumed to 12 already (the test above):
+    # keep its checkpoints up to step 8 only.
+    directory = checkpointing.checkpoint_dir(model_dir)
+    for path in glob.glob(os.path.join(directory, "ckpt-*")):
+        if int(re.match(r"ckpt-(\d+)", os.path.basename(path)).group(1)) > 8:
+            os.remove(path)
+    os.remove(os.path.join(directory, "checkpoint"))
+    train = {k: v for k, v in SHUFFLED.items() if k != "data"}
+    config = mw_config("default", 12, **{**train, "model_dir": model_dir})
+    config = config.replace(data=config.data.replace(**SHUFFLED["data"]))
+    resumed = train_from(config, initial)
+    assert resumed.summary["steps"] == 12
+    assert_weights_close(resumed.model.get_weights(), workers[0], rtol=1e-4, atol=1e-6)
+
+
 BAD_TF_CONFIGS = [
     ("{not json", "TF_CONFIG: not valid JSON"),
     ('{"task": {"type": "worker", "index": 0}}', "TF_CONFIG: missing or empty 'cluster'"),
