@@ -321,6 +321,9 @@ def run_cell(workdir, engine, case, precision):
     # last, since a training-mode call moves moving statistics).
     def loss_falls():
         x, y = host_data(case, "train")
+        seen = (case.steps or STEPS) * BATCH   # the examples training read (file order)
+        x = {k: v[:seen] for k, v in x.items()} if isinstance(x, dict) else x[:seen]
+        y = y[:seen]
         keras.utils.set_random_seed(0)
         before_model = case.build(spec)
         before_model.set_weights(initial)
