@@ -1,5 +1,6 @@
 """Checkpoints restore across strategies; a resumed run ends at the requested step."""
 
+import json
 import os
 
 import numpy as np
@@ -156,11 +157,16 @@ def test_input_position_of_other_input_settings_is_not_restored(tmp_path, caplog
     read, in its own batches."""
     model_dir = str(tmp_path)
     _train(run_config("default", steps=4, batch=32, checkpoint_every=4, model_dir=model_dir))
-    with caplog.at_level("INFO"):
+    with caplog.at_level("WARNING"):
         resumed = _train(run_config("default", steps=6, batch=64, steps_per_loop=2,
                                     model_dir=model_dir))
     assert resumed.summary["steps"] == 6
-    assert "input position: 128 examples read" in caplog.text
+    assert "fresh permutation" not in caplog.text
+    # It went on from the 4 x 32 examples read: two more steps of 64 make 256.
+    [position] = _input_positions(model_dir)
+    with open(os.path.join(checkpointing.checkpoint_dir(model_dir), "input", position,
+                           "ckpt-6.json")) as f:
+        assert json.load(f)["examples"] == 4 * 32 + 2 * 64
     caplog.clear()
     with caplog.at_level("WARNING"):
         resumed = _train(_sharded(run_config("default", steps=8, batch=64, steps_per_loop=2,
