@@ -75,6 +75,7 @@ bench: $(STAMP) iproute2
 	$(BIN)/python bench/allreduce.py
 	$(BIN)/python bench/dtensor.py
 	$(BIN)/python bench/depthwise.py
+	$(BIN)/python bench/dtensor_init.py
 	$(BIN)/python bench/input_order.py
 	$(BIN)/python bench/parameter_server.py
 	$(BIN)/python bench/slow_link.py

@@ -219,7 +219,7 @@ def write_table(workdir, out, names, engines, wall_s, timings):
         f"made these cells; this invocation {wall_s / 60:.1f} minutes)",
         f"- Each cell: {4} Adam steps (lr 1e-3; BatchNorm models: SGD, lr 0.01, as a "
         "BatchNorm beta before a 1x1 convolution and another BatchNorm has an exact gradient "
-        "of 0, which Adam turns into noise-sized steps; EfficientNetB0: 1 SGD step at 1e-4, "
+        "of 0, which Adam turns into noise-sized steps; EfficientNetB0: 1 SGD step at 1e-6, "
         "as at 32x32 it is chaotic: on the default engine alone, initial weights perturbed "
         "by 1e-7 end 1.2e-2 of their scale apart after 4 steps), global batch 8, float32 "
         "unless the "
