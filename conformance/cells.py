@@ -282,37 +282,43 @@ def run_cell(workdir, engine, case, precision):
             return bool(ok), f"generated {tokens[0, 4:8].tolist()}..."
         check("generate", generate)
 
-    # 4b. LoRA: only the adapters train. The frozen weights end bit for bit as
-    # loaded, the optimizer holds slots for the adapters alone, and engines that
-    # reduce gradients between replicas reduce the adapters' bytes only.
+    # 4b. LoRA: what the model leaves trainable trains, nothing else. keras-hub's
+    # `enable_lora` freezes the backbone but its adapted layers' biases (Keras's
+    # `enable_lora` freezes the kernel only) and anything outside the backbone (a
+    # classifier's head) stay trainable. Frozen weights end bit for bit as
+    # loaded, the optimizer holds slots for the trainable ones alone, and
+    # engines that reduce gradients between replicas reduce their bytes only.
     if case.lora:
         def lora_only():
-            adapter = ["lora_kernel" in p for p in paths]
-            trainable = [v.path for v in model.trainable_variables]
-            if not trainable or any("lora_kernel" not in p for p in trainable):
-                return False, f"trainable variables {trainable[:4]}... are not the adapters"
-            changed = [p for a, b, p, lo in zip(final, initial, paths, adapter)
-                       if not lo and not np.array_equal(a, b)]
+            trainable = {v.path for v in model.trainable_variables}
+            adapters = [p for p in paths if "lora_kernel" in p]
+            if not adapters or any(p not in trainable for p in adapters):
+                return False, f"adapters {adapters[:4]} are not all trainable"
+            changed = [p for a, b, p in zip(final, initial, paths)
+                       if p not in trainable and not np.array_equal(a, b)]
             if changed:
                 return False, f"frozen weights changed: {changed[:3]}"
             if not any(not np.array_equal(a, b)
                        for a, b, p in zip(final, initial, paths) if "lora_kernel_b" in p):
                 return False, "no adapter moved"
-            detail = f"{len(trainable)} adapters trained, frozen weights unchanged"
+            others = sorted(trainable - set(adapters))
+            detail = (f"{len(adapters)} adapters and {len(others)} other trainable weights "
+                      f"({', '.join(p.rsplit('/', 2)[-2] + '/' + p.rsplit('/', 1)[-1] for p in others[:3])}"
+                      f"{'...' if len(others) > 3 else ''}) trained, frozen weights unchanged")
             optimizer = result.optimizer
             if optimizer is not None:
                 slots = [v for v in optimizer.variables if len(v.shape)]
-                if len(slots) != 2 * len(trainable):   # Adam: two slots per adapter
-                    return False, f"{len(slots)} optimizer slots for {len(trainable)} adapters"
+                if len(slots) != 2 * len(trainable):   # Adam: two slots per trainable weight
+                    return False, f"{len(slots)} optimizer slots for {len(trainable)} weights"
                 detail += f", {len(slots)} slots"
             if engine in ("mirrored", "multi_worker", "horovod"):
-                adapter_bytes = sum(a.nbytes for a, lo in zip(final, adapter) if lo)
+                trainable_bytes = sum(a.nbytes for a, p in zip(final, paths) if p in trainable)
                 reduced = summary.get("bytes_reduced_per_update")
                 cell["bytes_reduced_per_update"] = reduced
-                if reduced != adapter_bytes:
-                    return False, (f"{reduced} bytes reduced per update; the adapters hold "
-                                   f"{adapter_bytes}")
-                detail += f", {reduced} bytes reduced per update (the adapters')"
+                if reduced != trainable_bytes:
+                    return False, (f"{reduced} bytes reduced per update; the trainable weights "
+                                   f"hold {trainable_bytes}")
+                detail += f", {reduced} bytes reduced per update (the trainable weights')"
             return True, detail
         check("lora_only", lora_only)
 

@@ -278,11 +278,13 @@ def write_table(workdir, out, names, engines, wall_s, timings):
               "6. keras-hub CausalLMs: the trained model's `generate(..., "
               "stop_token_ids=None)` (preprocessor=None) returns the prompt followed by "
               "generated ids in the vocabulary.",
-              "7. LoRA rows (`backbone.enable_lora(2)`): only the adapters are trainable, "
-              "every frozen weight ends bit for bit as loaded, an adapter moved, the optimizer "
-              "holds two Adam slots per adapter and none for frozen weights, and under "
-              "mirrored, multi_worker and horovod `summary['bytes_reduced_per_update']` "
-              "equals the adapters' bytes (check `lora_only`).",
+              "7. LoRA rows (`backbone.enable_lora(2)`): the adapters are trainable (and "
+              "what keras-hub leaves trainable beside them: the adapted layers' biases, a "
+              "classifier's head), every frozen weight ends bit for bit as loaded, an adapter "
+              "moved, the optimizer holds two Adam slots per trainable weight and none for "
+              "frozen ones, and under mirrored, multi_worker and horovod "
+              "`summary['bytes_reduced_per_update']` equals the trainable weights' bytes "
+              "(check `lora_only`).",
               ""]
     lines += ["## Refusals and failures", ""]
     for (c, m), cell in sorted(cells.items(), key=lambda kv: (columns.index(kv[0][0])
