@@ -221,7 +221,8 @@ def write_table(workdir, out, names, engines, wall_s, timings):
         "BatchNorm beta before a 1x1 convolution and another BatchNorm has an exact gradient "
         "of 0, which Adam turns into noise-sized steps; EfficientNetB0: 1 SGD step at 1e-6, "
         "as at 32x32 it is chaotic: on the default engine alone, initial weights perturbed "
-        "by 1e-7 end 1.2e-2 of their scale apart after 4 steps), global batch 8, float32 "
+        "by 1e-7 end 1.2e-2 of their scale apart after 4 steps; DenseNet121: 1 step, 1.4e-1 "
+        "so), global batch 8, float32 "
         "unless the "
         "column says otherwise, `jit_compile=\"off\"`, fixed random data in file order "
         "(shuffle_buffer=1), every engine from the same initial weights.",
@@ -229,7 +230,7 @@ def write_table(workdir, out, names, engines, wall_s, timings):
         "Cell contents: status; **Δ**: the largest |w - w_default| over all final weights "
         "divided by the largest |w_default| (the model's weight scale); (n/c): not compared, "
         "the engine computes another function of the batch (see below); loss: mean "
-        "cross-entropy on the training examples read (32; EfficientNetB0 8) in training mode before → after "
+        "cross-entropy on the training examples read (32; EfficientNetB0 and DenseNet121 8) in training mode before → after "
         "training, computed on the host from the trained model; ex/s: the run "
         "summary's `examples_per_sec` (4 steps: dominated by tracing, not a throughput "
         "figure).",

@@ -245,6 +245,8 @@ MODELS = {c.name: c for c in [
     Case("mobilenetv3small", "image",
          _application("MobileNetV3Small", include_preprocessing=False, dropout_rate=0.0),
          _IMG, _regex_layout, batch_norm=True),
+    # DenseNet121 too: perturbed by 1e-7, its default-engine weights end 1.4e-1
+    # apart after 4 SGD steps at lr 0.01; one step.
     Case("densenet121", "image", _application("DenseNet121"), _IMG, _regex_layout,
-         batch_norm=True),
+         batch_norm=True, steps=1),
 ]}
