@@ -209,6 +209,9 @@ def run_cell(workdir, engine, case, precision):
         if precision != "float32":
             ref_path = os.path.join(workdir, f"default-{precision}", f"{case.name}.npz")
         if column.startswith("default"):
+            if case.batch_norm and precision == "float32":
+                cell["sensitivity"] = sensitivity(case, spec, dataset_fn, initial, final, paths)
+                return True, f"reference (sensitivity {cell['sensitivity']:.2e})"
             return True, "reference"
         if not os.path.exists(ref_path):
             return False, "no default-engine weights to compare with"
@@ -219,9 +222,12 @@ def run_cell(workdir, engine, case, precision):
         expected, why = expected_to_match(engine, case, precision)
         cell["match_expected"] = expected
         tolerance = 1e-4 if precision == "float32" else 2e-2
+        measured = _default_sensitivity(workdir, case) if precision == "float32" else None
+        if measured is not None and SENSITIVITY_MARGIN * measured > tolerance:
+            tolerance = SENSITIVITY_MARGIN * measured
         if not expected:
             return True, f"{rel:.2e} (not compared: {why})"
-        return rel <= tolerance, f"{rel:.2e} at {where} (tolerance {tolerance:g})"
+        return rel <= tolerance, f"{rel:.2e} at {where} (tolerance {tolerance:.2g})"
     check("matches_default", against_default)
 
     # 2. Exported model.keras reloads and predicts like result.model.
@@ -350,6 +356,42 @@ def run_cell(workdir, engine, case, precision):
     if problems:
         cell["reason"] = problems[0][:300]
     return cell
+
+
+# A BatchNorm model's sensitivity: the default engine trained again from its
+# initial weights times (1 + 1e-7·noise), float32 rounding's size, ends this
+# far (relative to the weights' scale) from its own run. Where that exceeds the
+# 1e-4 rule (DenseNet121: 1.1e-3 after one step), another engine's reordering
+# cannot be told from it: the tolerance becomes SENSITIVITY_MARGIN x it. An
+# error of the engine (a dropped micro-batch, a wrong reduction) changes the
+# gradient itself, not its last bits, and moves the weights by the step's size.
+PERTURBATION = 1e-7
+SENSITIVITY_MARGIN = 10
+
+
+def sensitivity(case, spec, dataset_fn, initial, final, paths) -> float:
+    rng = np.random.default_rng(0)
+    nudged = [w * (1 + PERTURBATION * rng.standard_normal(w.shape)).astype(w.dtype)
+              if w.dtype.kind == "f" else w for w in initial]
+
+    def model_fn(spec_):
+        model = case.build(spec_)
+        model.set_weights(nudged)
+        return model
+
+    again = tfdist.train(config_for("default", sgd=case.batch_norm,
+                                    learning_rate=case.learning_rate, steps=case.steps),
+                         model_fn=model_fn, dataset_fn=dataset_fn, spec=spec)
+    return weight_difference([np.asarray(w) for w in again.model.get_weights()], final,
+                             paths)[0]
+
+
+def _default_sensitivity(workdir, case):
+    try:
+        with open(os.path.join(workdir, "default", f"{case.name}.json")) as f:
+            return json.load(f).get("sensitivity")
+    except (OSError, ValueError):
+        return None
 
 
 def expected_to_match(engine, case, precision):

@@ -263,6 +263,11 @@ def write_table(workdir, out, names, engines, wall_s, timings):
               "so 1e-4 bounds rounding while a dropped or doubled micro-batch, a wrong "
               "all-reduce or a wrongly sharded update moves weights by ~1e-3 of a 1e-3 step "
               "on weights of order 0.01-1 (bf16 columns: 2e-2, bf16 has an 8-bit mantissa). "
+              "BatchNorm models first measure their sensitivity in the default column: the "
+              "default engine trained again from initial weights perturbed by 1e-7 (relative, "
+              "float32 rounding's size); where that spread is above 1e-4, the tolerance is 10x "
+              "it (a wrong reduction or a dropped micro-batch changes the gradient itself and "
+              "moves the weights by the step's size). "
               "Not compared (n/c): `parameter_server` (asynchronous: each step is one "
               "worker's global batch from its own input pipeline) and BatchNorm models under "
               "engines whose replicas or micro-batches normalise by their own batch "
@@ -302,6 +307,8 @@ def write_table(workdir, out, names, engines, wall_s, timings):
                     k + ("" if v.get("ok") else " FAILED") for k, v in cell["checks"].items()))
             if cell.get("layout"):
                 extras.append(f"layout: {cell['layout']}")
+            if cell.get("sensitivity") is not None:
+                extras.append(f"sensitivity to a 1e-7 perturbation {cell['sensitivity']:.1e}")
             if cell.get("device_parameter_bytes") is not None:
                 extras.append(f"device parameter bytes {cell['device_parameter_bytes']} of "
                               f"{cell['model_bytes']}")
