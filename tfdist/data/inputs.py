@@ -24,6 +24,7 @@ AUTOTUNE = tf.data.AUTOTUNE
 # One global order: epoch e of the training data is shuffled with seed
 # `seed + EPOCH_SEED_STRIDE * e`; the epochs are counted up to MAX_EPOCHS.
 EPOCH_SEED_STRIDE = 104_729
+EPOCH_GRAPH_SEED = 1
 MAX_EPOCHS = 1 << 40
 
 
@@ -78,6 +79,11 @@ class Inputs(abc.ABC):
             first_epoch, offset = divmod(start_example, self.split_size("train", 1, 0))
 
         def epoch(e):
+            # A fixed graph-level seed: the order follows `seed` and the epoch
+            # alone, whatever the process's global seed; and TF 2.21's
+            # `random_seed.get_seed` fails on a tensor op seed under a global
+            # seed of 0 ("a symbolic tf.Tensor as a Python bool").
+            tf.random.set_seed(EPOCH_GRAPH_SEED)
             return examples.shuffle(shuffle_buffer, seed=base + EPOCH_SEED_STRIDE * e,
                                     reshuffle_each_iteration=False)
 
