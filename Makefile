@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.tfdist-installed
 # (its imports are pinned in setup.cfg's test extra; BUILD_NOTES.md).
 KERAS_HUB := keras-hub==0.32.0
 
-.PHONY: demo test unit install horovod slurm bench clean iproute2 conformance audit
+.PHONY: demo test unit install horovod slurm bench clean iproute2 conformance audit resume-matrix
 
 install: $(STAMP)
 
@@ -92,6 +92,14 @@ audit: $(STAMP)
 # Not part of `make test`.
 conformance: $(STAMP)
 	$(BIN)/python conformance/matrix.py --out docs/conformance.md
+
+# A checkpoint written by each synchronous engine and size (one device,
+# mirrored, multi_worker x2 and x4, horovod x2, dtensor 2x2 ZeRO-1 and ZeRO-3,
+# pipeline across 2 processes) resumed under each, and the parameter server;
+# writes docs/resume_matrix.md (~25 minutes on 2 cores). Not part of `make test`.
+resume-matrix: $(STAMP)
+	$(MAKE) --no-print-directory horovod
+	$(BIN)/python conformance/resume_matrix.py --out docs/resume_matrix.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -173,6 +173,35 @@ def test_per_replica_state_survives_a_resume(tmp_path, initial, train):
     assert _largest_difference(control, straight) > 1e-5
 
 
+def test_per_replica_state_of_another_replica_count_restarts_from_zero(tmp_path, initial,
+                                                                      caplog):
+    """Error feedback saved by 2 replicas and resumed by 4 is not re-partitioned:
+    a warning names both layouts and the 4 replicas start from zero, exactly as
+    a resume with no saved state does (the control: that state was saved and
+    would be restored by 2 replicas, as the test above shows)."""
+    train = dict(grad_compression="topk", topk_fraction=0.1, optimizer="momentum")
+
+    def run(directory, steps, devices):
+        config = _config(steps=steps, steps_per_loop=3, checkpoint_every=3,
+                         model_dir=str(directory), **train)
+        config = config.replace(strategy=config.strategy.replace(virtual_devices=devices))
+        return train_from(config, initial)
+
+    run(tmp_path / "two", 3, 2)
+    shutil.copytree(tmp_path / "two", tmp_path / "none")
+    for path in glob.glob(str(tmp_path / "none" / "checkpoints" / "replicas" / "*" / "*.npz")):
+        os.remove(path)
+    with caplog.at_level("WARNING"):
+        four = run(tmp_path / "two", 6, 4)
+    assert "saved under another number of processes or replicas" in caplog.text
+    assert "process-0-of-1" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        reset = run(tmp_path / "none", 6, 4)
+    assert "none was saved with step 3 in" in caplog.text
+    assert _largest_difference(four, reset) < 1e-7
+
+
 def test_local_sgd_loops_end_where_the_weights_are_averaged(tmp_path, initial):
     """--sync_every=4 with checkpoints and logs asked every 3 steps: loops
     (so checkpoints) end only at the averages, 4 and 8."""

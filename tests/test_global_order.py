@@ -72,3 +72,18 @@ def test_the_order_does_not_depend_on_the_global_seed():
     zero = _global_batches(2, 1, 6)
     tf.random.set_seed(5)
     assert _global_batches(2, 1, 6) == zero
+
+
+def test_a_resumed_stream_can_be_built_inside_a_traced_function():
+    """A parameter-server worker builds its dataset inside a `tf.function`
+    (AutoGraph-converted): there the split's size is a tensor, and the
+    resumed stream must still start at its example."""
+    fn = inputs_lib.train_dataset_fn(INPUTS, global_batch_size=BATCH, seed=SEED,
+                                     shuffle_buffer=BUFFER, start_example=7 * BATCH)
+
+    @tf.function
+    def first_batch():
+        context = tf.distribute.InputContext(1, 0, 1)
+        return next(iter(fn(context)))[0][:, 0]
+
+    assert first_batch().numpy().astype(int).tolist() == _global_batches(1, 1, 8)[7]

@@ -110,6 +110,30 @@ def test_a_checkpoint_of_one_device_resumes_under_another_engine(runs, engine, t
     assert _difference(resumed, results["reference"]) <= TOLERANCE, engine
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_equality_holds_for_models_without_random_ops(rate):
+    """Dropout draws its mask the shape of each replica's batch from the one
+    seed, so two replicas drop other units than one device does for the same
+    examples: with random ops in the model, engines agree in distribution, not
+    weight by weight. The same model with the dropout off is the other side
+    of that line."""
+    def model_fn(spec):
+        inputs = keras.Input(spec.input_shape, name="features")
+        x = keras.layers.Dense(32, activation="gelu", name="stem")(inputs)
+        x = keras.layers.Dropout(rate, name="user_dropout")(x)
+        return keras.Model(inputs, keras.layers.Dense(spec.num_classes, name="head")(x))
+
+    def train(engine):
+        return tfdist.train(_config(engine, STEPS), model_fn=model_fn, dataset_fn=dataset_fn,
+                            spec=SPEC, loss=keras.losses.MeanSquaredError())
+
+    difference = _difference(train("mirrored"), train("default"))
+    if rate:
+        assert difference > 1e-3
+    else:
+        assert difference <= TOLERANCE
+
+
 def test_the_controls_differ(runs, tmp_path, caplog):
     """Without the input position a resumed run reads other batches; a run
     from another seed starts elsewhere: both far outside the tolerance."""

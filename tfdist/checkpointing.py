@@ -311,8 +311,11 @@ class ReplicaState:
     (written to a temporary name and renamed: never half-written); the
     signature (the variables' names and shapes and the exchange's settings)
     keeps another configuration from restoring state that means something
-    else. Where none is found for the step resumed from, the state starts
-    from its initial values (zero error feedback) and a warning says so.
+    else. Where none is found for the step resumed from (none was saved, or
+    it was saved by another number of processes or replicas: it is not
+    re-partitioned), the state starts from its initial values (zero error
+    feedback; local SGD's optimizer state from the chief's) and a warning says
+    which.
     """
 
     def __init__(self, directory: str, *, signature: dict, process: int, processes: int,
@@ -359,9 +362,16 @@ class ReplicaState:
         import numpy as np
         path = self._path(step)
         if not tf.io.gfile.exists(path):
-            logging.warning("no per-replica state was saved with step %d here (%s): error "
+            parent = os.path.dirname(self.directory)
+            others = sorted({os.path.basename(os.path.dirname(p)) for p in tf.io.gfile.glob(
+                os.path.join(parent, "*", f"state-{step}.npz"))})
+            where = (f"it was saved under another number of processes or replicas or other "
+                     f"compression settings ({', '.join(others)}; this run: "
+                     f"{os.path.basename(self.directory)}), and is not re-partitioned"
+                     if others else f"none was saved with step {step} in {parent}")
+            logging.warning("the per-replica state of step %d is not restored: %s; error "
                             "feedback starts from zero, local SGD's optimizer state from the "
-                            "chief's", step, self.directory)
+                            "chief's", step, where)
             return False
         with tf.io.gfile.GFile(path, "rb") as f:
             arrays = np.load(io.BytesIO(f.read()))

@@ -1,14 +1,18 @@
 """`tfdist-compare`: does a distributed run converge like one device?
 
-    tfdist-compare --strategy=mirrored|multi_worker|horovod [--workers=N]
-        [--tolerance=T] [--window=W] [--grad_agreement_every=N] [--output_dir=DIR]
-        [--distributed_flags="--flag=v ..."] [--timeout_s=S] -- <shared tfdist-train flags>
+    tfdist-compare --strategy=mirrored|multi_worker|horovod|dtensor|pipeline
+        [--workers=N] [--tolerance=T] [--window=W] [--grad_agreement_every=N]
+        [--output_dir=DIR] [--distributed_flags="--flag=v ..."] [--timeout_s=S]
+        -- <shared tfdist-train flags>
 
 Trains the same configuration twice, as real processes, one after the other:
 `tfdist-train --strategy=default` and the distributed run (`tfdist-train
---strategy=mirrored`, `tfdist-launch --workers=N -- tfdist-train
---strategy=multi_worker`, or `horovodrun -np N -H localhost:N --gloo
-tfdist-train --strategy=horovod`), each logging its loss at every step to
+--strategy=mirrored` on the local devices; `tfdist-launch --workers=N --
+tfdist-train --strategy=multi_worker`; `horovodrun -np N -H localhost:N
+--gloo tfdist-train --strategy=horovod`; `--strategy=dtensor` (any mesh and
+ZeRO stage, e.g. `--distributed_flags="--mesh=batch:2,model:1
+--zero_stage=3"`) and `--strategy=pipeline` on the local devices, or across
+`--workers=N` processes of `tfdist-launch`), each logging its loss at every step to
 TensorBoard (`--log_every=1`). It then aligns the two loss curves by step,
 smooths each with a trailing moving average over `--window` steps and takes
 the relative gap |distributed - default| / max(|default|, floor) of the
@@ -96,12 +100,18 @@ def _launch_horovod(opts, argv: list) -> list:
             "--gloo", *argv]
 
 
+def _launch_workers_if_asked(opts, argv: list) -> list:
+    return argv if opts.workers is None else _launch_workers(opts, argv)
+
+
 # The engines that can be compared, and how each starts its `--workers`
-# processes around a tfdist-train command (None: one process, local devices).
-LAUNCHERS = {"mirrored": None, "multi_worker": _launch_workers, "horovod": _launch_horovod}
+# processes around a tfdist-train command (None: one process, local devices),
+# with the processes it starts when --workers is not given (None: one process).
+LAUNCHERS = {"mirrored": None, "multi_worker": _launch_workers, "horovod": _launch_horovod,
+             "dtensor": _launch_workers_if_asked, "pipeline": _launch_workers_if_asked}
+DEFAULT_WORKERS = {"multi_worker": 2, "horovod": 2}
 STRATEGIES = tuple(LAUNCHERS)
 DEFAULT_TOLERANCE = 0.1
-DEFAULT_WORKERS = 2
 DEFAULT_WINDOW = 5
 DEFAULT_TIMEOUT_S = 900.0
 # Flags tfdist-compare sets on each run itself; they come after the shared
@@ -234,8 +244,9 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--strategy", required=True, metavar="{" + ",".join(STRATEGIES) + "}",
                       help="the distributed run's engine [required]")
     runs.add_argument("--workers", type=int, default=None, metavar="N",
-                      help="multi_worker / horovod: processes "
-                           f"[default: {DEFAULT_WORKERS}; an integer >= 1]")
+                      help="processes: multi_worker, horovod [default: 2], dtensor, "
+                           "pipeline [default: one process on the local devices]; an "
+                           "integer >= 1")
     runs.add_argument("--distributed_flags", default="", metavar="FLAGS",
                       help='extra tfdist-train flags for the distributed run only, e.g. '
                            '--distributed_flags="--lr_scaling=linear" [default: none]')
@@ -286,11 +297,12 @@ def parse_args(argv: list) -> tuple:
         raise UsageError(f"--strategy={opts.strategy!r} cannot be compared; valid: "
                          f"{', '.join(STRATEGIES)}")
     if opts.workers is not None and LAUNCHERS[opts.strategy] is None:
-        several = " and ".join(s for s, launch in LAUNCHERS.items() if launch)
+        several = ", ".join(s for s, launch in LAUNCHERS.items() if launch)
         raise UsageError(f"--workers={opts.workers} applies to {several}; {opts.strategy} uses "
                          "the local devices (--virtual_devices after --)")
-    opts.workers = DEFAULT_WORKERS if opts.workers is None else opts.workers
-    if opts.workers < 1:
+    if opts.workers is None:
+        opts.workers = DEFAULT_WORKERS.get(opts.strategy)
+    if opts.workers is not None and opts.workers < 1:
         raise UsageError(f"--workers={opts.workers} must be at least 1")
     if not opts.tolerance > 0 or not np.isfinite(opts.tolerance):
         raise UsageError(f"--tolerance={opts.tolerance:g} must be a number above 0, e.g. "

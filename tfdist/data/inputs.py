@@ -76,7 +76,12 @@ class Inputs(abc.ABC):
             base += tf.cast(context.input_pipeline_id, tf.int64)
         first_epoch, offset = 0, 0
         if start_example:
-            first_epoch, offset = divmod(start_example, self.split_size("train", 1, 0))
+            # `//` and `%`, not divmod: traced by AutoGraph (a parameter-server
+            # worker's dataset function) the split's size is a tensor.
+            size = self.split_size("train", 1, 0)
+            if isinstance(size, tf.Tensor):
+                start_example, size = tf.cast(start_example, tf.int64), tf.cast(size, tf.int64)
+            first_epoch, offset = start_example // size, start_example % size
 
         def epoch(e):
             # A fixed graph-level seed: the order follows `seed` and the epoch
