@@ -58,6 +58,35 @@ def test_mnist_layout_gives_float_grayscale_images_and_int32_labels(tfds_dir):
     assert float(tf.reduce_max(x)) > 0.5  # a digit is drawn
 
 
+@pytest.mark.parametrize("dataset,image_size", [("tfdist_test_mnist", None),
+                                                ("tfdist_test_varied", 24)])
+def test_the_global_order_decodes_each_pipelines_rows_into_the_same_batches(
+        tfds_dir, monkeypatch, dataset, image_size):
+    """Each pipeline shuffles the stored (encoded) images and decodes only its
+    own rows: the global batches are those of decoding every example first
+    (the same decode and preprocessing ops on the same bytes: bit for bit)."""
+    from tfdist.data import inputs as inputs_lib
+    inputs = _inputs(tfds_dir, dataset, image_size=image_size)
+    _, decode = inputs.undecoded_examples("train", ONE)
+    assert decode is not None
+
+    def global_batches(pipelines):
+        fn = inputs_lib.train_dataset_fn(inputs, global_batch_size=8, seed=5,
+                                         shuffle_buffer=16)
+        parts = [next(iter(fn(tf.distribute.InputContext(pipelines, i, pipelines))))
+                 for i in range(pipelines)]
+        return [np.concatenate([p[k].numpy() for p in parts]) for k in (0, 1)]
+
+    deferred = {n: global_batches(n) for n in (1, 2)}
+    monkeypatch.setattr(tfds_inputs.TfdsInputs, "undecoded_examples",
+                        inputs_lib.Inputs.undecoded_examples)
+    decoded_first = global_batches(1)
+    for n in (1, 2):
+        for got, want in zip(deferred[n], decoded_first):
+            np.testing.assert_array_equal(got, want)
+    assert decoded_first[0].dtype == np.float32 and decoded_first[0].shape[0] == 8
+
+
 def test_image_size_resizes_and_the_spec_says_so(tfds_dir):
     inputs = _inputs(tfds_dir, "tfdist_test_mnist", image_size=16)
     assert inputs.spec.input_shape == (16, 16, 1)

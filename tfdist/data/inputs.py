@@ -43,6 +43,14 @@ class Inputs(abc.ABC):
     def split_size(self, split: str, num_pipelines: int, pipeline_id: int) -> int:
         """Examples pipeline `pipeline_id` of `num_pipelines` reads from `split`."""
 
+    def undecoded_examples(self, split: str, context: tf.distribute.InputContext):
+        """(examples as stored, `decode`): what `examples` yields before its
+        decoding (an image's encoded bytes), and the function of one (x, y)
+        that decodes and preprocesses it. The global order shuffles the
+        stored form and decodes only this pipeline's rows. By default there is
+        nothing to defer: (`examples`, None)."""
+        return self.examples(split, context), None
+
     def check_sharding(self, num_pipelines: int) -> None:
         """Raise `UsageError` before training if the input cannot be split this way."""
 
@@ -63,14 +71,16 @@ class Inputs(abc.ABC):
         shuffled with seed `seed + EPOCH_SEED_STRIDE * e` (the same in every
         pipeline) and the epochs follow one another; the stream is cut into
         global batches, and pipeline i of N keeps rows [i·B/N, (i+1)·B/N) of
-        each, in per-replica batches. So the same seed and global batch give
+        each, in per-replica batches (an image is decoded only by the
+        pipeline that keeps it). So the same seed and global batch give
         the same global batches under every synchronous engine and cluster
         size, and a resumed run re-reads at most one epoch to get back to its
         position. With one pipeline whose id is not 0 (a parameter-server
         worker: each reads on its own), the seed is offset by the id."""
         pipelines = context.num_input_pipelines
         every = tf.distribute.InputContext()   # one pipeline: the whole split
-        examples = with_weights(self.examples("train", every))
+        examples, decode = self.undecoded_examples("train", every)
+        examples = with_weights(examples)
         base = tf.cast(seed, tf.int64)
         if pipelines == 1:
             base += tf.cast(context.input_pipeline_id, tf.int64)
@@ -94,11 +104,15 @@ class Inputs(abc.ABC):
 
         ds = tf.data.Dataset.range(first_epoch, MAX_EPOCHS).flat_map(epoch).skip(offset)
         ds = ds.batch(global_batch_size, drop_remainder=True)
+        rows = global_batch_size // pipelines
         if pipelines > 1:
-            rows = global_batch_size // pipelines
             first = context.input_pipeline_id * rows
             ds = ds.map(plain(lambda *batch: tf.nest.map_structure(
                 lambda t: t[first:first + rows], batch)))
+        if decode is not None:   # only this pipeline's rows, in parallel
+            ds = ds.unbatch().map(plain(lambda x, y, w: (*decode(x, y), w)),
+                                  num_parallel_calls=AUTOTUNE)
+            ds = ds.batch(rows, drop_remainder=True)
         per_replica = context.get_per_replica_batch_size(global_batch_size)
         if per_replica != global_batch_size // pipelines:
             ds = ds.rebatch(per_replica, drop_remainder=True)

@@ -342,6 +342,19 @@ class TfdsInputs(Inputs):
             read_config=read_config)
         return ds.map(plain(self._preprocess), num_parallel_calls=tf.data.AUTOTUNE)
 
+    def undecoded_examples(self, split, context):
+        """Images as their stored (encoded) bytes, decoded by `decode`: the
+        global order's shuffle buffer holds the bytes, and each pipeline
+        decodes only its own rows of each global batch."""
+        kind, x_key, _, x_feature, _ = _layout(self.builder)
+        if kind != "image":
+            return super().undecoded_examples(split, context)
+        ds = self.builder.as_dataset(split=self._split_name(split), as_supervised=True,
+                                     shuffle_files=False,
+                                     decoders={x_key: tfds.decode.SkipDecoding()})
+        preprocess = self._preprocess
+        return ds, lambda x, y: preprocess(x_feature.decode_example(x), y)
+
 
 def load(config: DataConfig, *, model_dir: Optional[str] = None) -> Inputs:
     """The inputs `config` asks for; a `UsageError` if they cannot be had.
