@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -125,7 +126,8 @@ def test_resumed_run_reads_exactly_the_batches_of_an_uninterrupted_one(tmp_path,
     The same strategy computes both in the same order, so the one difference
     possible is the data; 1e-6 is far below what one other batch changes
     (checked below: a resume without the saved input position is off by more)."""
-    common = dict(steps_per_loop=2, checkpoint_every=4, learning_rate=0.05, batch=64)
+    common = dict(steps_per_loop=2, checkpoint_every=4, learning_rate=0.05, batch=64,
+                  keep_checkpoints=2)
 
     def config(**kwargs):
         return _sharded(run_config(strategy, **common, **kwargs), order)
@@ -141,6 +143,12 @@ def test_resumed_run_reads_exactly_the_batches_of_an_uninterrupted_one(tmp_path,
     resumed = _train(config(steps=12, model_dir=first_dir))
     assert resumed.summary["steps"] == 12
     assert_weights_close(resumed.model.variables, straight.model.variables, rtol=0, atol=1e-6)
+    # Positions are kept for the checkpoints kept (--keep_checkpoints=2), no more.
+    assert checkpointing.saved_steps(first_dir) == [8, 12]
+    kept = os.listdir(os.path.join(checkpointing.checkpoint_dir(first_dir), "input", position))
+    steps = {int(m.group(1)) for m in map(re.compile(r"ckpt-(\d+)\.(json|index)$").match, kept)
+             if m}
+    assert sorted(steps) == [8, 12], kept
     # Without the position it draws a fresh permutation: other batches, other weights.
     import shutil
     shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(second_dir), "input"))

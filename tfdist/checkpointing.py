@@ -35,6 +35,24 @@ def _step_of(path: str) -> int:
     return int(path.rsplit("-", 1)[1])
 
 
+def _digest(signature: dict) -> str:
+    """A short, stable name for the settings a saved state depends on."""
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
+                          .encode()).hexdigest()[:12]
+
+
+def _prune(directory: str, pattern: str, keep: int, remove) -> None:
+    """Keep the newest `keep` of the steps saved in `directory` as files
+    named `pattern` (with a `(\\d+)` for the step); `remove(step)` the rest."""
+    steps = sorted((int(m.group(1)) for m in (re.fullmatch(pattern, name)
+                                               for name in tf.io.gfile.listdir(directory)) if m),
+                   reverse=True)
+    for old in steps[keep:]:
+        remove(old)
+
+
 class Checkpointer:
     """Saves and restores `trackables` (e.g. model=, optimizer=, step=) in `directory`.
 
@@ -177,12 +195,8 @@ class InputPosition:
 
     def __init__(self, directory: str, *, signature: dict, pipeline: int, pipelines: int,
                  keep: int):
-        import hashlib
-        import json
-        digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
-                                .encode()).hexdigest()[:12]
         self.directory = os.path.join(directory, "input",
-                                      f"{digest}-pipeline-{pipeline}-of-{pipelines}")
+                                      f"{_digest(signature)}-pipeline-{pipeline}-of-{pipelines}")
         self.keep = keep
         self.checkpoint, self.seed, self.enabled = None, None, True
 
@@ -219,11 +233,8 @@ class InputPosition:
             logging.warning("cannot save the input position (%s); a run resumed from a later "
                             "checkpoint draws a fresh permutation of the data", first_line(error))
             return
-        steps = sorted((_step_of(p[:-len(".index")]) for p in
-                        glob.glob(os.path.join(self.directory, f"{_PREFIX}-*.index"))),
-                       reverse=True)
-        for old in steps[self.keep:]:
-            _remove(self._path(old))
+        _prune(self.directory, rf"{_PREFIX}-(\d+)\.index", self.keep,
+               lambda old: _remove(self._path(old)))
 
     def restore(self, step: int) -> bool:
         """Move the iterator to the position saved at `step`; False if there is none."""
@@ -253,11 +264,7 @@ class GlobalInputPosition:
     """
 
     def __init__(self, directory: str, *, signature: dict, keep: int):
-        import hashlib
-        import json
-        digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
-                                .encode()).hexdigest()[:12]
-        self.directory = os.path.join(directory, "input", f"global-{digest}")
+        self.directory = os.path.join(directory, "input", f"global-{_digest(signature)}")
         self.keep = keep
         self.seed = self.start_example = self.start_step = self.global_batch = None
 
@@ -284,11 +291,8 @@ class GlobalInputPosition:
             logging.warning("cannot save the input position (%s); a run resumed from step %d "
                             "draws a fresh permutation of the data", first_line(error), step)
             return
-        saved = sorted((_step_of(p[:-len(".json")]) for p in
-                        glob.glob(os.path.join(self.directory, f"{_PREFIX}-*.json"))),
-                       reverse=True)
-        for old in saved[self.keep:]:
-            _remove(self._path(old))
+        _prune(self.directory, rf"{_PREFIX}-(\d+)\.json", self.keep,
+               lambda old: os.remove(self._path(old)))
 
     def restore(self, step: int) -> Optional[tuple]:
         """(seed, global examples read) saved at `step`, or None."""
@@ -320,14 +324,10 @@ class ReplicaState:
 
     def __init__(self, directory: str, *, signature: dict, process: int, processes: int,
                  keep: int, variables: list, replica_values):
-        import hashlib
-        import json
         self.variables, self.replica_values, self.keep = list(variables), replica_values, keep
         signature = {**signature, "variables": [(v.name, list(v.shape)) for v in variables]}
-        digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str)
-                                .encode()).hexdigest()[:12]
         self.directory = os.path.join(directory, "replicas",
-                                      f"{digest}-process-{process}-of-{processes}")
+                                      f"{_digest(signature)}-process-{process}-of-{processes}")
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, f"state-{step}.npz")
@@ -349,11 +349,8 @@ class ReplicaState:
         except (tf.errors.OpError, OSError) as error:
             raise CheckpointWriteError(f"cannot save the per-replica state of step {step} in "
                                        f"{self.directory}: {first_line(error)}") from None
-        steps = sorted((int(re.fullmatch(r"state-(\d+)\.npz", name).group(1))
-                        for name in tf.io.gfile.listdir(self.directory)
-                        if re.fullmatch(r"state-\d+\.npz", name)), reverse=True)
-        for old in steps[self.keep:]:
-            tf.io.gfile.remove(self._path(old))
+        _prune(self.directory, r"state-(\d+)\.npz", self.keep,
+               lambda old: tf.io.gfile.remove(self._path(old)))
 
     def restore(self, step: int) -> bool:
         """Set every replica's state to the one saved at `step`; False if none."""
