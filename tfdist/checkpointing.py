@@ -45,12 +45,17 @@ def _digest(signature: dict) -> str:
 
 def _prune(directory: str, pattern: str, keep: int, remove) -> None:
     """Keep the newest `keep` of the steps saved in `directory` as files
-    named `pattern` (with a `(\\d+)` for the step); `remove(step)` the rest."""
+    named `pattern` (with a `(\\d+)` for the step); `remove(step)` the rest.
+    Several processes may prune the same directory: a file another removed
+    first is not an error."""
     steps = sorted((int(m.group(1)) for m in (re.fullmatch(pattern, name)
                                                for name in tf.io.gfile.listdir(directory)) if m),
                    reverse=True)
     for old in steps[keep:]:
-        remove(old)
+        try:
+            remove(old)
+        except (OSError, tf.errors.NotFoundError):
+            pass
 
 
 class Checkpointer:
