@@ -259,3 +259,17 @@ def test_a_run_that_drew_a_fresh_permutation_resumes_exactly_afterwards(tmp_path
         assert ("fresh permutation" in caplog.text) == (name == "once")
     assert_weights_close(runs["twice"].model.variables, runs["once"].model.variables,
                          rtol=0, atol=1e-6)
+
+
+def test_pruning_tolerates_a_file_another_process_removed_first(tmp_path):
+    """Every process writes and prunes the same global input position: a file
+    another process removed between the listing and the removal is no error."""
+    for step in (2, 4, 6):
+        (tmp_path / f"ckpt-{step}.json").write_text("{}")
+
+    def remove_twice(step):   # as if another process got there first
+        os.remove(tmp_path / f"ckpt-{step}.json")
+        os.remove(tmp_path / f"ckpt-{step}.json")
+
+    checkpointing._prune(str(tmp_path), r"ckpt-(\d+)\.json", 1, remove_twice)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-6.json"]
