@@ -184,7 +184,7 @@ def test_sharded_variables_checkpoint_whole(tmp_path):
 
 
 def test_sharded_checkpoint_check(monkeypatch):
-    monkeypatch.setattr(compat, "_CHECKED", set())
+    monkeypatch.setattr(compat.keras_internals, "_CHECKED", set())
     monkeypatch.setattr(keras_tf_core.Variable, "_serialize_to_tensors",
                         lambda self: {"VARIABLE_VALUE": self.value})
     with pytest.raises(compat.UpstreamChanged, match="no longer delegates") as raised:
@@ -253,7 +253,7 @@ def test_keras_variable_of():
 
 
 def test_keras_variable_of_check(monkeypatch):
-    monkeypatch.setattr(compat, "_CHECKED", set())
+    monkeypatch.setattr(compat.keras_internals, "_CHECKED", set())
     monkeypatch.setattr(keras_tf_core.Variable, "_initialize_with_initializer",
                         lambda self, init: self._initialize(tf.zeros(self._shape, self._dtype)))
     with pytest.raises(compat.UpstreamChanged, match="no longer closes over") as raised:
@@ -452,7 +452,7 @@ def test_dtensor_fsdp_lowering(monkeypatch):
     gather is in effect (TF 2.21 reads it once per process, and it is wrong on
     2-D meshes: BUILD_NOTES "ZeRO stages 2 and 3")."""
     from tfdist.errors import UsageError
-    gather, combine = compat._GATHER_ENV, compat._COMBINE_ENV
+    gather, combine = compat.dtensor_internals._GATHER_ENV, compat.dtensor_internals._COMBINE_ENV
     flat, square = {"batch": 4, "model": 1}, {"batch": 2, "model": 2}
 
     def fresh(**env):
@@ -460,7 +460,7 @@ def test_dtensor_fsdp_lowering(monkeypatch):
         # this process's real environment, which TensorFlow reads at its first
         # DTensor compile (a later test in this process would then compile its
         # 2-D meshes with the collective gather: seen, wrong weights).
-        monkeypatch.setattr(compat, "_fsdp_env_latched", {})
+        monkeypatch.setattr(compat.dtensor_internals, "_fsdp_env_latched", {})
         environ = {k: v for k, v in os.environ.items() if k not in (gather, combine)}
         monkeypatch.setattr(os, "environ", {**environ, **env})
 
@@ -535,7 +535,8 @@ def test_keras_matplotlib_check():
             module.plt = "pyplot"
 
     import types
-    loader = compat._DeferMatplotlibLoader(Loader(), "keras.src.visualization.plot_image_gallery")
+    loader = compat.keras_matplotlib._DeferMatplotlibLoader(
+        Loader(), "keras.src.visualization.plot_image_gallery")
     with pytest.raises(compat.UpstreamChanged) as raised:
         loader.exec_module(types.ModuleType("stand_in"))
     assert_one_line_change(raised, "plot_image_gallery.plt")

@@ -1,0 +1,89 @@
+"""Private names of TensorFlow's DTensor (its dataset and its compiler's
+environment switches) tfdist reads or sets; see the package docstring
+(`tfdist/compat/__init__.py`). Imports no TensorFlow until called."""
+
+from __future__ import annotations
+
+from tfdist.compat._guard import _changed, _require, _require_called
+
+
+# -- DTensor (BUILD_NOTES "DTensor with Keras 3") ------------------------------
+
+def dtensor_dataset_one_client_per_replica(dataset):
+    """Make a single-process `DTensorDataset` feed each replica its own rows.
+
+    What: sets the private `DTensorDataset._num_clients_per_replica = 1` and
+    `_partition_offset = 0` on this instance. Why: DTensor 2.21 counts a
+    replica's devices from every device of the mesh's type in the process, not
+    from the mesh; with more devices than the mesh uses it takes each replica
+    to span 2 clients, repeats every batch and feeds every local replica the
+    same examples (BUILD_NOTES "DTensorDataset counts a replica's devices",
+    with the 4-CPU / 2-device-mesh reproduction). In one process no replica
+    spans clients. Verified: tensorflow 2.21.0. Check: both attributes exist
+    as ints and `__iter__` / `_partition` still read them.
+    """
+    readers = {"_num_clients_per_replica": "__iter__", "_partition_offset": "_partition"}
+    for name in readers:
+        what = f"tensorflow DTensorDataset.{name}"
+        if not isinstance(_require(dataset, name, what), int):
+            raise _changed(what, "is not an int")
+    for name, reader in readers.items():
+        _require_called(type(dataset), reader, name, f"tensorflow DTensorDataset.{name}")
+    dataset._num_clients_per_replica = 1
+    dataset._partition_offset = 0
+    return dataset
+
+
+# -- DTensor: how stage 3 (FSDP) gathers --------------------------------------------
+
+_GATHER_ENV = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+_COMBINE_ENV = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
+_fsdp_env_latched: dict = {}   # the values this process's DTensor programs compile with
+
+
+def dtensor_fsdp_lowering(mesh_axes: dict, stage: int) -> None:
+    """Choose DTensor's lowering of ZeRO-3's gathers, before anything compiles
+    (called by every DTensor run's setup; the first one in a process decides).
+
+    What: two environment switches of TensorFlow's DTensor compiler, read once
+    per process, by the first DTensor program it compiles (verified: setting
+    one later changes nothing; `tests/test_compat.py`).
+
+    - `DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0`. Why: by default
+      DTensor merges the step's independent all-reduces into one, and on CPU
+      every gather and reduce-scatter is an all-reduce, so the whole model's
+      gathered weights and full gradients were alive at once. Measured: the
+      mlp 2048x8 under stage 3 on 4 logical CPUs peaked at 4.2 GiB with it,
+      2.4 GiB without, the same loss. It only makes fewer, larger collectives
+      (a speed choice), so turning it off is safe for any mesh.
+    - `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2=1`, on a mesh with one
+      axis larger than 1 only. Why: DTensor's default gather is a zero buffer
+      plus an all-reduce, and the zero buffer of each gathered weight is a
+      constant that every compiled program keeps for its lifetime (one more
+      whole copy of the weights per device per traced step). The collective
+      gather has none. Not on a 2-D mesh: there it is silently wrong (stage 3
+      on `batch:2,model:2` ended 0.78 away from one device; `batch:4,model:1`
+      matched), so such a mesh keeps the default, and is refused when this
+      process already compiles with the collective gather.
+
+    A value the user set is kept. Verified: tensorflow 2.21.0. Check: the
+    refusal above (a wrong result is never silent); the memory is measured by
+    `bench/dtensor.py`'s "does it fit" row and `tests/test_zero.py`.
+    """
+    import os
+    from tfdist.errors import UsageError
+    flat = sum(1 for size in mesh_axes.values() if size > 1) <= 1
+    if not _fsdp_env_latched:
+        if stage >= 3:
+            os.environ.setdefault(_COMBINE_ENV, "0")
+            if flat:
+                os.environ.setdefault(_GATHER_ENV, "1")
+        _fsdp_env_latched.update({name: os.environ.get(name, "")
+                                  for name in (_GATHER_ENV, _COMBINE_ENV)})
+    if stage >= 3 and not flat and _fsdp_env_latched.get(_GATHER_ENV) == "1":
+        mesh = ",".join(f"{axis}:{size}" for axis, size in mesh_axes.items())
+        raise UsageError(
+            f"--zero_stage=3 on --mesh={mesh}: this process compiles DTensor gathers with "
+            f"{_GATHER_ENV}=1, which TensorFlow 2.21 gets wrong on a mesh with two axes "
+            f"larger than 1; run this training in a new process without it, or use a "
+            f"mesh with one axis larger than 1")

@@ -1,0 +1,367 @@
+"""Private names of Keras 3 (variables, layers, losses, metrics, random draws
+on the TensorFlow backend) tfdist reads or replaces; optimizers are in
+`keras_optimizers.py`, the start-up matplotlib deferral in
+`keras_matplotlib.py`. See the package docstring (`tfdist/compat/__init__.py`).
+Imports no TensorFlow or Keras until called."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+from tfdist.compat._guard import _changed, _code_reads, _require
+from tfdist.compat.tf_internals import is_sharded
+
+
+# -- parameter servers (BUILD_NOTES "ParameterServerStrategy with Keras 3") ----
+
+_CHECKED = set()   # behaviour checks that passed in this process
+
+
+def _check_keras_delegates_checkpointing() -> None:
+    """Keras's TF `Variable._serialize_to_tensors` / `_restore_from_tensors`
+    must hand over to its value's methods (probed on a stand-in value)."""
+    if "keras-delegates-checkpointing" in _CHECKED:
+        return
+    from keras.src.backend.tensorflow import core
+    what = "keras.src.backend.tensorflow.core.Variable._serialize_to_tensors"
+    serialize = _require(core.Variable, "_serialize_to_tensors", what)
+    restore = _require(core.Variable, "_restore_from_tensors",
+                       "keras.src.backend.tensorflow.core.Variable._restore_from_tensors")
+    saved, restored = {"VARIABLE_VALUE": "saved"}, []
+
+    class Value:
+        def _serialize_to_tensors(self):
+            return saved
+
+        def _restore_from_tensors(self, tensors):
+            restored.append(tensors)
+            return "restored"
+
+    probe = types.SimpleNamespace(value=Value())
+    try:
+        ok = serialize(probe) is saved and restore(probe, saved) == "restored" and \
+            restored == [saved]
+    except Exception:  # noqa: BLE001  (any other behaviour is a change)
+        ok = False
+    if not ok:
+        raise _changed(what, "no longer delegates to its value's _serialize_to_tensors/"
+                             "_restore_from_tensors")
+    _CHECKED.add("keras-delegates-checkpointing")
+
+
+def checkpoint_sharded_whole(variable):
+    """Make one ShardedVariable checkpoint as one whole tensor (BUILD_NOTES PS item 4).
+
+    What: gives this ShardedVariable *instance* `_serialize_to_tensors` and
+    `_restore_from_tensors` (TF's checkpointing honours instance-level ones).
+    Why: a Keras 3 variable's `_serialize_to_tensors` asks its value to
+    serialize itself and, when it cannot (a ShardedVariable cannot), falls
+    back to `{"VARIABLE_VALUE": self.value}`, for which the saver asks the
+    ShardedVariable for a `.device` it does not have ("AttributeError
+    'ShardedVariable' object has no attribute 'device'", item 4 of the
+    BUILD_NOTES script). Serialized whole (read from its shards) and restored
+    by assignment (which splits it again), the checkpoint has the same entry a
+    plain variable has, so it restores under every engine and shard count.
+    Scope: only the ShardedVariables the parameter_server engine creates (its
+    variable creator calls this); no class is changed, so nothing else in the
+    process checkpoints differently, and a Keras variable keeps the behaviour
+    as long as it lives (also after the run). Verified: tensorflow 2.21.0,
+    keras 3.15.1. Check: Keras's variable still delegates to its value.
+    """
+    import tensorflow as tf
+    _check_keras_delegates_checkpointing()
+    if not is_sharded(variable):
+        raise TypeError(f"checkpoint_sharded_whole needs a ShardedVariable, got "
+                        f"{type(variable).__name__}")
+
+    def serialize():
+        return {"VARIABLE_VALUE": tf.convert_to_tensor(variable)}
+
+    def restore(restored_tensors):
+        return variable.assign(restored_tensors["VARIABLE_VALUE"])
+
+    variable._serialize_to_tensors = serialize
+    variable._restore_from_tensors = restore
+    return variable
+
+
+# -- DTensor (BUILD_NOTES "DTensor with Keras 3") ------------------------------
+
+def keras_variable_of(initial_value):
+    """The Keras `Variable` whose deferred initial value `initial_value` is, or None.
+
+    What: reads the closure of the callable Keras hands `tf.Variable` (Keras's
+    TF `Variable._initialize_with_initializer` passes `lambda:
+    initializer(self._shape, ...)`, closing over the Keras variable). Why:
+    Keras creates the `tf.Variable` after its name scopes have closed, so a
+    variable creator cannot learn a nested layer's path from
+    `tf.get_current_name_scope()` (BUILD_NOTES "DTensor": `block0/kernel` for
+    `block0/attn/query/kernel`); the DTensor engine needs the path for its
+    layout rules. Verified: keras 3.15.1. Check: `check_keras_variable_of`.
+    """
+    import keras
+    for cell in getattr(initial_value, "__closure__", None) or ():
+        try:
+            owner = cell.cell_contents
+        except ValueError:   # an empty cell
+            continue
+        if isinstance(owner, keras.Variable):
+            return owner
+    return None
+
+
+def keras_initializer_of(initial_value):
+    """The Keras initializer object a Keras variable's deferred initial value
+    calls, or None (a tensor or a plain callable given as the initializer).
+
+    What: the closure of the same callable as `keras_variable_of` (`lambda:
+    initializer(self._shape, dtype=self._dtype)`). Why: the DTensor engine
+    draws a sharded variable's value shard by shard only for initializers it
+    knows to be element-wise (`tfdist/strategies/dtensor_init.py`). Verified:
+    keras 3.15.1. Check: `tests/test_dtensor_init.py` (a sharded variable of
+    each kind matches one device's)."""
+    import keras
+    for cell in getattr(initial_value, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, keras.initializers.Initializer):
+            return value
+    return None
+
+
+def check_keras_variable_of() -> None:
+    """`UpstreamChanged` unless a variable creator still finds the Keras
+    variable being created through `keras_variable_of` (probed once on a
+    1-element variable outside any engine)."""
+    if "keras-variable-of" in _CHECKED:
+        return
+    import keras
+    import tensorflow as tf
+    found = []
+
+    def creator(next_creator, **kwargs):
+        found.append(keras_variable_of(kwargs.get("initial_value")))
+        return next_creator(**kwargs)
+
+    with tf.init_scope(), tf.variable_creator_scope(creator):
+        variable = keras.Variable(initializer="zeros", shape=(1,), name="tfdist_probe")
+    if len(found) != 1 or found[0] is not variable:
+        raise _changed("keras Variable._initialize_with_initializer's initial value",
+                       "no longer closes over the keras Variable")
+    _CHECKED.add("keras-variable-of")
+
+
+# -- losses and metrics (BUILD_NOTES "Users' losses, metrics, data and export") --
+
+def keras_mask(tensor):
+    """The Keras mask attached to `tensor` (e.g. by an `Embedding(mask_zero=True)`), or None.
+
+    What: `keras.src.backend.common.masking.get_keras_mask` (Keras 3 has no
+    public getter; the mask is the private `_keras_mask` attribute, or an entry
+    in Keras's side table for tensors that take no attributes). Why: Keras
+    averages a masked loss over the valid positions only; tfdist must too.
+    Verified: keras 3.15.1. Check: the function imports.
+    """
+    what = "keras.src.backend.common.masking.get_keras_mask"
+    try:
+        from keras.src.backend.common.masking import get_keras_mask
+    except ImportError:
+        raise _changed(what) from None
+    return get_keras_mask(tensor)
+
+
+def align_ranks(y_true, y_pred):
+    """`y_true`, `y_pred` brought to the same rank, as `keras.losses.Loss` does.
+
+    What: `keras.src.losses.loss.squeeze_or_expand_to_same_rank`. Why: a Keras
+    loss *function* (e.g. "mse") given (B,) targets and (B, 1) outputs would
+    broadcast to (B, B) without it; a `Loss` object does it inside `__call__`,
+    which tfdist cannot use (it needs unreduced values). Verified: keras 3.15.1.
+    Check: the function imports.
+    """
+    what = "keras.src.losses.loss.squeeze_or_expand_to_same_rank"
+    try:
+        from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+    except ImportError:
+        raise _changed(what) from None
+    return squeeze_or_expand_to_same_rank(y_true, y_pred)
+
+
+def keras_metric(identifier, y_true, y_pred):
+    """The metric object `fit` would make of `identifier` for these targets/predictions.
+
+    What: `keras.src.trainers.compile_utils.get_metric`. Why: it resolves
+    "accuracy" to binary / sparse / categorical accuracy by the shapes, as
+    `fit` does; Keras has no public equivalent. Verified: keras 3.15.1.
+    Check: the function imports.
+    """
+    what = "keras.src.trainers.compile_utils.get_metric"
+    try:
+        from keras.src.trainers.compile_utils import get_metric
+    except ImportError:
+        raise _changed(what) from None
+    return get_metric(identifier, y_true, y_pred)
+
+
+def compiled_config(model):
+    """What `model.compile(...)` was given (a dict with loss, metrics, ...), or None.
+
+    What: the private `Model._compile_config.config`. Why: Keras 3 has no
+    public getter of the un-serialized loss and metric objects a user compiled
+    with, and tfdist trains a compiled model with them. Verified: keras 3.15.1.
+    Check: a compiled model (public `model.compiled`) has it, with a dict.
+    """
+    compiled = getattr(model, "compiled", False)
+    holder = getattr(model, "_compile_config", None)
+    if holder is None:
+        if compiled:
+            raise _changed("keras Model._compile_config", "is missing on a compiled model")
+        return None
+    config = getattr(holder, "config", None)
+    if not isinstance(config, dict):
+        raise _changed("keras Model._compile_config.config", "is not a dict")
+    return config
+
+
+def build_metric(metric, y_shape, pred_shape) -> None:
+    """Create the state variables of a metric that sizes them from the data.
+
+    What: calls the private `_build` of a metric whose private `_built` is
+    False (F1Score, FBetaScore, R2Score take (y_true_shape, y_pred_shape);
+    AUC with `multi_label` takes the predictions' shape). Why: tfdist uses
+    metrics statelessly and needs their variables before the first batch;
+    Keras builds these only inside `update_state`, which tfdist never calls.
+    Verified: keras 3.15.1. Check: a metric with `_built == False` has a
+    `_build` that leaves `_built` True.
+    """
+    import inspect
+    if getattr(metric, "_built", True):
+        return
+    name = type(metric).__name__
+    build = _require(metric, "_build", f"keras {name}._build")
+    if len(inspect.signature(build).parameters) == 1:
+        build(pred_shape)
+    else:
+        build(y_shape, pred_shape)
+    if not metric._built:
+        raise _changed(f"keras {name}._build", "did not set _built")
+
+
+# -- DTensor: initial values drawn shard by shard --------------------------------------
+
+KERAS_RANDOM_DRAWS = ("normal", "uniform", "truncated_normal")
+
+
+@contextlib.contextmanager
+def keras_random_draws(replacements: dict):
+    """Within: Keras's TensorFlow backend draws `keras.random.normal`,
+    `uniform` and `truncated_normal` with `replacements[name](original, shape,
+    ..., seed=...)` (the keyword arguments Keras passes on).
+
+    What: the functions of `keras.src.backend.tensorflow.random`, which
+    `keras.random.*` (and so every Keras random initializer) call through
+    `backend.random.<name>` at call time; restored on exit. Why: under a
+    sharded layout the DTensor engine makes each device's shard of a
+    variable's initial value equal to that slice of one device's draw, by
+    drawing the slice alone (`tfdist/strategies/dtensor_init.py`); Keras has
+    no public hook between an initializer and its random op. Verified: keras
+    3.15.1. Check: each function exists and `keras.random.<name>` still calls
+    it through `backend.random` (`tests/test_compat.py`; ZeRO-3's initial
+    weights equal one device's in `tests/test_dtensor_init.py`).
+    """
+    from keras.src.backend.tensorflow import random as backend_random
+    from keras.src.random import random as keras_random
+    originals = {}
+    for name in replacements:
+        if name not in KERAS_RANDOM_DRAWS or not callable(getattr(backend_random, name, None)) \
+                or not _code_reads(getattr(keras_random, name, None), "random"):
+            raise _changed(f"keras.src.backend.tensorflow.random.{name}",
+                           "is missing or no longer what keras.random calls")
+        originals[name] = getattr(backend_random, name)
+        if not (_code_reads(originals[name], "draw_seed")
+                and _code_reads(originals[name], "_cast_seed")):
+            raise _changed(f"keras.src.backend.tensorflow.random.{name}",
+                           "no longer seeds with _cast_seed(draw_seed(seed))")
+    for name, replacement in replacements.items():
+        original = originals[name]
+        setattr(backend_random, name,
+                lambda *args, _r=replacement, _o=original, **kwargs: _r(_o, *args, **kwargs))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(backend_random, name, original)
+
+
+def keras_seed_tensor(seed):
+    """The int32 [2] seed tensor Keras's TensorFlow backend passes to
+    `tf.random.stateless_*` for `seed` (an int, a `SeedGenerator` (advanced
+    once) or a tensor): `_cast_seed(draw_seed(seed))` of
+    `keras.src.backend.tensorflow.random`. Verified: keras 3.15.1. Check: both
+    exist (and `keras_random_draws` checks that the draws still call them)."""
+    from keras.src.backend.tensorflow import random as backend_random
+    draw = _require(backend_random, "draw_seed", "keras tensorflow random.draw_seed")
+    cast = _require(backend_random, "_cast_seed", "keras tensorflow random._cast_seed")
+    return cast(draw(seed))
+
+
+# -- layers and variables (DTensor ZeRO-3, pipeline stages) ----------------------
+
+def model_layers(model) -> list:
+    """Every layer of `model`, nested ones included, itself excluded.
+
+    What: Keras's private `Layer._flatten_layers`. Why: ZeRO-3 wraps the call
+    of each layer that owns a gathered variable (`tfdist/strategies/dtensor.py`,
+    `_gathered_per_layer`), and the layers that own variables are often nested
+    (the transformer's attention projections); Keras 3 has no public recursive
+    listing. Verified: keras 3.15.1. Check: the method exists.
+    """
+    flatten = _require(model, "_flatten_layers", "keras Layer._flatten_layers")
+    return list(flatten(include_self=False, recursive=True))
+
+
+def symbolic_calls(layer) -> int:
+    """How many places of a functional graph call `layer` (symbolic calls).
+
+    What: Keras's private `Layer._inbound_nodes` (one node per symbolic call).
+    Why: a pipeline stage must own its layers (`tfdist/pipeline/split.py`), and
+    Keras 3's public `layer.input`/`layer.output` return the first call's
+    tensors without complaint when a layer is called at several places.
+    Verified: keras 3.15.1. Check: the attribute exists and is a list.
+    """
+    nodes = _require(layer, "_inbound_nodes", "keras Layer._inbound_nodes")
+    if not isinstance(nodes, list):
+        raise _changed("keras Layer._inbound_nodes", "is no longer a list")
+    return len(nodes)
+
+
+def move_variable(variable, device: str) -> None:
+    """Move the storage of Keras variable `variable` to `device`, keeping the
+    Keras object (which layers, optimizers and checkpoints refer to).
+
+    What: a Keras 3 `Variable` on the TensorFlow backend keeps its storage, a
+    `tf.Variable`, in `_value`, and `_initialize(value)` adopts a given
+    `tf.Variable` as that storage. Why: pipeline stages (issue 22) must hold
+    their layers' variables on their own device, but a functional model's
+    variables are created when it is built, before the model can be split
+    (the split reads the built graph), and Keras has no public way to place a
+    built variable. A new `tf.Variable` with the old one's value, name,
+    trainability and aggregation is made on `device` and adopted; the old one
+    is freed. Verified on tensorflow 2.21.0, keras 3.15.1.
+    """
+    import tensorflow as tf
+    what = "keras Variable._value (its tf.Variable storage) and _initialize"
+    old = _require(variable, "_value", what)
+    adopt = _require(variable, "_initialize", what)
+    if not isinstance(old, tf.Variable):
+        raise _changed(what, f"holds {type(old).__name__}, not a tf.Variable")
+    with tf.device(device):
+        new = tf.Variable(old.read_value(), trainable=old.trainable,
+                          name=old.name.split(":")[0], aggregation=old.aggregation,
+                          synchronization=old.synchronization)
+    adopt(new)
+    if variable.value is not new:
+        raise _changed(what, "did not adopt the given tf.Variable")
