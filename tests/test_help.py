@@ -195,7 +195,7 @@ def test_a_user_script_shows_tfdist_groups_then_its_own(tmp_path):
      ["--workers N", "[required; an integer >= 1]", "[default: 0; an integer >= 0]",
       "[default: localhost]", "Exit status:"]),
     ("tfdist-compare", ["runs", "verdict", "output"],
-     ["--strategy {mirrored,multi_worker,horovod}", "[default: 2; an integer >= 1]",
+     ["--strategy {mirrored,multi_worker,horovod,dtensor,pipeline}", "horovod [default: 2]",
       "[default: 0.1; a number > 0]", "Exit status:"]),
     ("tfdist-peak", ["measurement"],
      ["[default: float32,bfloat16,float16]", "[default: false]"]),
