@@ -9,7 +9,8 @@ STAMP  := $(VENV)/.tfdist-installed
 # (its imports are pinned in setup.cfg's test extra; BUILD_NOTES.md).
 KERAS_HUB := keras-hub==0.32.0
 
-.PHONY: demo test unit install horovod slurm bench clean iproute2 conformance audit resume-matrix
+.PHONY: demo test unit install horovod slurm bench clean iproute2 conformance audit resume-matrix \
+	reference
 
 install: $(STAMP)
 
@@ -100,6 +101,15 @@ conformance: $(STAMP)
 resume-matrix: $(STAMP)
 	$(MAKE) --no-print-directory horovod
 	$(BIN)/python conformance/resume_matrix.py --out docs/resume_matrix.md
+
+# docs/reference/flags.md from the options' declarations (tfdist/config/) and
+# the engines' records, and README.md's engine table from the records;
+# tests/test_options.py fails when either is out of date.
+reference: $(STAMP)
+	$(BIN)/python -c "from tfdist import help; print(help.markdown_reference(), end='')" \
+	    > docs/reference/flags.md
+	$(BIN)/python -c "from tfdist import help; t = open('README.md').read(); \
+	    open('README.md', 'w').write(help.with_engine_table(t))"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

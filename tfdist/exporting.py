@@ -31,18 +31,26 @@ from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError
 
 RUN_RECORD = "run.json"
+RUN_FLAGS = "run.cfg"
 
 
 def write_run_record(model_dir: str, config: RunConfig, spec: DatasetSpec, *,
                      builder: bool) -> None:
-    """`model_dir/run.json`: what `tfdist-export` needs to rebuild the model."""
+    """`model_dir/run.json`: what `tfdist-export` needs to rebuild the model;
+    and `model_dir/run.cfg`: the run's options as a flagfile
+    (`tfdist-train --flagfile=model_dir/run.cfg` replays them)."""
+    from tfdist import config as config_lib
     record = {"config": dataclasses.asdict(config), "spec": dataclasses.asdict(spec),
               "builder": builder}
-    path = os.path.join(model_dir, RUN_RECORD)
+    _write_text(os.path.join(model_dir, RUN_RECORD),
+                json.dumps(record, indent=2, sort_keys=True, default=list) + "\n")
+    _write_text(os.path.join(model_dir, RUN_FLAGS), config_lib.flagfile(config))
+
+
+def _write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True, default=list)
-        f.write("\n")
+        f.write(text)
     os.replace(tmp, path)
 
 

@@ -40,8 +40,11 @@ _MAX_WIDTH = 100
 def _registry_choices() -> dict[str, list[str]]:
     """Flags whose valid names are a registry's (checked after parsing, so
     they are string flags, not enums); the registries import no TensorFlow."""
+    from tfdist import config as config_lib
     from tfdist import models, strategies
-    return {"strategy": strategies.names(), "model": models.names()}
+    names = {"strategy": strategies.names, "model": models.names}
+    return {config_lib.flag_name(field): names[config_lib.declaration(field).registry]()
+            for _, field in config_lib.options() if config_lib.declaration(field).registry}
 
 
 def _bound(value) -> str:
@@ -241,3 +244,87 @@ def install(text: Callable[[], str]) -> None:
     flags.DEFINE_flag(_GroupedHelpFlag("help", short, text), module_name=__name__)
     flags.DEFINE_flag(_GroupedHelpFlag("helpshort", "?", text), module_name=__name__)
     flags.DEFINE_flag(_FullHelpFlag(), module_name=__name__)
+
+
+# -- the flag reference (docs/reference/flags.md) -----------------------------------
+
+REFERENCE_HEADER = """# Reference: engines and flags
+
+Generated from the options' declarations (`tfdist/config/`) by `make reference`;
+`tests/test_help.py` fails when this file and the declarations differ. Every
+flag here is also a field of the Python API's configuration: the part and
+field are given where the names differ (`--model_width` is
+`ModelConfig.width`). "Read by" lists the engines that use an option (the
+others ignore or refuse it); "math" marks options whose change changes what is
+computed, not only how fast or where.
+"""
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _field_of(name: str):
+    """(part class name, field, declaration) of flag `name`, or None."""
+    from tfdist import config as config_lib
+    for part, field in config_lib.options():
+        if config_lib.flag_name(field) == name:
+            return config_lib.PART_NAMES[part].__name__, field, config_lib.declaration(field)
+    return None
+
+
+def markdown_engines() -> list[str]:
+    """The engines' table, from their own records."""
+    from tfdist import strategies
+    from tfdist.strategies import records
+    out = ["## Engines (`--strategy`)", "",
+           "| `--strategy` | What it is | Updates | Started by |", "|---|---|---|---|"]
+    for engine in strategies.engines():
+        updates = "synchronous" if engine.synchronous else "asynchronous"
+        out.append(f"| `{engine.name}` | {_cell(engine.summary)} | {updates} | "
+                   f"`{_cell(records.command(engine))}` |")
+    return out + [""]
+
+
+README_ENGINES = ("<!-- engines: generated from the engines' records by `make reference` -->",
+                  "<!-- end engines -->")
+
+
+def with_engine_table(readme: str) -> str:
+    """`readme` with the engines' table (`markdown_engines`) between its markers."""
+    start, end = README_ENGINES
+    head, rest = readme.split(start + "\n", 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n" + "\n".join(markdown_engines()[2:]) + f"{end}{tail}"
+
+
+def markdown_reference() -> str:
+    """The engines and every tfdist-train flag, by help group, as Markdown."""
+    choices = _registry_choices()
+    out = [REFERENCE_HEADER, *markdown_engines()]
+    for title, group in sections():
+        out += [f"## {title[0].upper()}{title[1:]}", "",
+                "| Flag | Default | Valid | Read by | Math | Description |",
+                "|---|---|---|---|---|---|"]
+        for flag in group:
+            found = _field_of(flag.name)
+            valid = (", ".join(choices[flag.name]) if flag.name in choices else
+                     ", ".join(flag.parser.enum_values)
+                     if isinstance(flag.parser, flags.EnumParser) else _valid(flag))
+            engines = "every engine"
+            math = ""
+            text = " ".join((flag.help or "").split())
+            if isinstance(flag.parser, flags.EnumParser):
+                text = text.removeprefix(f"<{'|'.join(flag.parser.enum_values)}>: ")
+            if found:
+                part, field, opt = found
+                engines = ", ".join(opt.engines) or engines
+                math = "yes" if opt.math else ""
+                if field.name != flag.name:
+                    text += f" (`{part}.{field.name}`)"
+            else:
+                engines, text = "command line only", text
+            out.append(f"| `--{flag.name}` | `{_cell(_default(flag))}` | {_cell(valid)} | "
+                       f"{_cell(engines)} | {math} | {_cell(text)} |")
+        out.append("")
+    return "\n".join(out)
