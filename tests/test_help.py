@@ -120,7 +120,10 @@ def test_every_entry_has_a_default_and_its_help_text(train_help):
     for i, line in enumerate(lines):
         if _ENTRY.match(line):
             assert "[default: " in line + lines[i + 1], line
-    assert "      Scale-out engine: default (one device)" in train_help
+    flat = " ".join(train_help.split())
+    from tfdist import strategies
+    for engine in strategies.engines():   # --strategy's help is each engine's own summary
+        assert f" {engine.name}: {engine.summary}." in flat, engine.name
     assert "<sgd|momentum|adam|adamw>" not in train_help   # absl's enum prefix, shown above
 
 

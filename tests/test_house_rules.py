@@ -9,11 +9,12 @@ import os
 import re
 
 from conftest import REPO
+from tfdist import strategies
 
 PRIVATE_UPSTREAM = re.compile(
     r"tensorflow\.python|keras\.src|tf\.__internal__"
     r"|(?:getattr|hasattr|setattr)\([^,]+,\s*[\"']_(?!tfdist_)[a-z]")   # _tfdist_*: ours
-ENGINE_NAMES = "default|mirrored|multi_worker|horovod|dtensor|parameter_server"
+ENGINE_NAMES = "|".join(strategies.names())   # the registry's, pipeline included
 ENGINE_COMPARE = re.compile(rf"(==|!=|\bin)\s*\(?[\"']({ENGINE_NAMES})[\"']"
                             rf"|[\"']({ENGINE_NAMES})[\"']\s*(==|!=)")
 MAX_TRAINING_FUNCTION_LINES = 50
@@ -62,8 +63,9 @@ def test_no_engine_name_compares_outside_the_engines():
     assert found == []
     sample = ('if config.strategy.name == "dtensor":\n'
               'ok = values["strategy"] == "parameter_server"\n'
-              'if name in ("horovod", "mirrored"):\n')
-    assert len(engine_name_compares("sample.py", sample)) == 3
+              'if name in ("horovod", "mirrored"):\n'
+              'if config.strategy.name != "pipeline":\n')
+    assert len(engine_name_compares("sample.py", sample)) == 4
 
 
 def test_training_functions_are_short():

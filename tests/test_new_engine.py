@@ -9,6 +9,10 @@ the core hooks, no capability, and the trainer, the controller and the API
 take it as they take the built-in engines.
 """
 
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -20,6 +24,7 @@ from tfdist.strategies.base import Strategy
 from tfdist.strategies.tf_distribute import apply_if_merged, run_first_result
 
 from common import IMAGE_SPEC, assert_weights_close, run_config, train_from
+from conftest import REPO, run_all, tfdist_train
 
 
 class LoopbackStrategy(Strategy):
@@ -92,3 +97,54 @@ def test_capabilities_are_opt_in():
 def test_registering_a_taken_name_is_refused():
     with pytest.raises(UsageError, match="already registered"):
         strategies.register("mirrored", LoopbackStrategy)
+
+
+TOY_DECLARATION = '''
+from tfdist.strategies import Engine
+ENGINE = Engine("toy", "toy_engine_adapter:ToyStrategy",
+                "a toy engine from another package: one device under its own name")
+'''
+TOY_ADAPTER = '''
+from tfdist.strategies.default import DefaultStrategy
+
+class ToyStrategy(DefaultStrategy):
+    name = "toy"
+'''
+
+
+@pytest.fixture(scope="module")
+def toy_package(tmp_path_factory):
+    """An installed package outside tfdist that declares an engine through the
+    `tfdist.engines` entry points (a directory on PYTHONPATH with its own
+    dist-info, as pip would leave it): no tfdist file names it."""
+    root = tmp_path_factory.mktemp("site")
+    (root / "toy_engine.py").write_text(TOY_DECLARATION)
+    (root / "toy_engine_adapter.py").write_text(TOY_ADAPTER)
+    info = root / "toy_engine-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-engine\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[tfdist.engines]\ntoy = toy_engine:ENGINE\n")
+    return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_an_engine_of_another_package_appears_everywhere_and_trains(toy_package, data_dir):
+    """Help, the generated reference, the name check and a run all see the
+    plug-in engine; the committed reference (made without it) does not."""
+    reference = ("from tfdist import help; print(help.markdown_reference())")
+    helped, generated, refused, trained = run_all([
+        tfdist_train(["--help"]),
+        [sys.executable, "-c", reference],
+        tfdist_train(["--strategy=toyy"]),
+        tfdist_train(["--strategy=toy", "--model=mlp", "--model_width=8", "--train_steps=2",
+                      "--global_batch_size=16", f"--data_dir={data_dir}"]),
+    ], envs=[toy_package] * 4, timeout=240)
+    summary = "toy: a toy engine from another package: one device under its own name."
+    assert summary in " ".join(helped.stdout.split()), helped.stderr[-2000:]
+    assert "default, dtensor, horovod, mirrored, multi_worker, parameter_server, pipeline, toy" \
+        in generated.stdout, generated.stderr[-2000:]
+    assert refused.returncode == 2
+    assert "pipeline, toy" in refused.stderr, refused.stderr
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads(trained.stdout.strip().splitlines()[-1])["strategy"] == "toy"
+    with open(os.path.join(REPO, "docs", "reference", "flags.md")) as f:
+        assert "toy" not in f.read()   # control: without the package, no toy

@@ -83,7 +83,11 @@ import time
 import numpy as np
 
 # Bad input or a failed run: one line on stderr, exit status 2 (see main).
+from tfdist import strategies
 from tfdist.errors import UsageError
+from tfdist.strategies import records as engines_lib
+
+REFERENCE = strategies.REFERENCE
 
 PROG = "tfdist-compare"
 
@@ -104,13 +108,27 @@ def _launch_workers_if_asked(opts, argv: list) -> list:
     return argv if opts.workers is None else _launch_workers(opts, argv)
 
 
-# The engines that can be compared, and how each starts its `--workers`
-# processes around a tfdist-train command (None: one process, local devices),
-# with the processes it starts when --workers is not given (None: one process).
-LAUNCHERS = {"mirrored": None, "multi_worker": _launch_workers, "horovod": _launch_horovod,
-             "dtensor": _launch_workers_if_asked, "pipeline": _launch_workers_if_asked}
-DEFAULT_WORKERS = {"multi_worker": 2, "horovod": 2}
-STRATEGIES = tuple(LAUNCHERS)
+# How each way of starting an engine's processes wraps a tfdist-train command
+# (None: one process on the local devices; --workers does not apply).
+_LAUNCHERS = {engines_lib.ONE_PROCESS: None, engines_lib.WORKERS: _launch_workers,
+              engines_lib.ONE_OR_WORKERS: _launch_workers_if_asked,
+              engines_lib.HOROVODRUN: _launch_horovod}
+
+
+def comparable() -> dict:
+    """{engine name: its launcher} of the engines a comparison can run: the
+    synchronous ones, launched as `_LAUNCHERS` knows, but the reference."""
+    return {e.name: _LAUNCHERS[e.launch] for e in strategies.engines()
+            if e.synchronous and e.launch in _LAUNCHERS and e.name != strategies.REFERENCE}
+
+
+def _default_workers(name: str):
+    """Processes a comparison starts when --workers is not given (None: one)."""
+    engine = strategies.engine(name)
+    return engine.processes if _LAUNCHERS[engine.launch] in (_launch_workers,
+                                                               _launch_horovod) else None
+
+
 DEFAULT_TOLERANCE = 0.1
 DEFAULT_WINDOW = 5
 DEFAULT_TIMEOUT_S = 900.0
@@ -241,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
                 epilog="Exit status: 0 within tolerance, 1 diverged, 2 bad input or a "
                        "failed run.\nWrites loss_curves.png and report.md into --output_dir.")
     runs = p.add_argument_group("runs")
-    runs.add_argument("--strategy", required=True, metavar="{" + ",".join(STRATEGIES) + "}",
+    runs.add_argument("--strategy", required=True, metavar="{" + ",".join(comparable()) + "}",
                       help="the distributed run's engine [required]")
     runs.add_argument("--workers", type=int, default=None, metavar="N",
                       help="processes: multi_worker, horovod [default: 2], dtensor, "
@@ -293,15 +311,16 @@ def parse_args(argv: list) -> tuple:
         raise UsageError(f"unrecognized arguments: {' '.join(stray)} (tfdist-train flags go "
                          "after --)")
     shared = argv[cut + 1:]
-    if opts.strategy not in STRATEGIES:
+    launchers = comparable()
+    if opts.strategy not in launchers:
         raise UsageError(f"--strategy={opts.strategy!r} cannot be compared; valid: "
-                         f"{', '.join(STRATEGIES)}")
-    if opts.workers is not None and LAUNCHERS[opts.strategy] is None:
-        several = ", ".join(s for s, launch in LAUNCHERS.items() if launch)
+                         f"{', '.join(launchers)}")
+    if opts.workers is not None and launchers[opts.strategy] is None:
+        several = ", ".join(s for s, launch in launchers.items() if launch)
         raise UsageError(f"--workers={opts.workers} applies to {several}; {opts.strategy} uses "
                          "the local devices (--virtual_devices after --)")
     if opts.workers is None:
-        opts.workers = DEFAULT_WORKERS.get(opts.strategy)
+        opts.workers = _default_workers(opts.strategy)
     if opts.workers is not None and opts.workers < 1:
         raise UsageError(f"--workers={opts.workers} must be at least 1")
     if not opts.tolerance > 0 or not np.isfinite(opts.tolerance):
@@ -344,10 +363,10 @@ def commands(opts, shared: list) -> dict:
 
     distributed = [train, *flags(opts.strategy, opts.grad_agreement_every),
                    *opts.distributed_flags]
-    launch = LAUNCHERS[opts.strategy]
+    launch = comparable()[opts.strategy]
     if launch is not None:
         distributed = launch(opts, distributed)
-    return {"default": [train, *flags("default", 0)], opts.strategy: distributed}
+    return {REFERENCE: [train, *flags(REFERENCE, 0)], opts.strategy: distributed}
 
 
 def prepare_output(output_dir: str, runs) -> None:
@@ -531,7 +550,7 @@ def _number(value, fmt=".4f") -> str:
 
 def report(opts, argvs: dict, runs: dict, result: Divergence, seconds: dict) -> str:
     """The markdown report: commands, hardware, final metrics, divergence, agreement."""
-    base, dist = "default", opts.strategy
+    base, dist = REFERENCE, opts.strategy
     worst = result.worst
     step = int(result.smooth_steps[worst])
     at = int(np.searchsorted(result.steps, step))
@@ -594,12 +613,12 @@ def compare(opts, shared: list) -> int:
                for name, argv in argvs.items()}
     runs = {name: read_run(name, os.path.join(opts.output_dir, name)) for name in argvs}
     try:
-        result = divergence(runs["default"]["scalars"]["loss"],
+        result = divergence(runs[REFERENCE]["scalars"]["loss"],
                             runs[opts.strategy]["scalars"]["loss"],
                             window=opts.window, tolerance=opts.tolerance)
     except ValueError as error:  # e.g. a run resumed past the other's last step
         raise UsageError(f"cannot compare the loss curves: {error}") from None
-    plot(result, ("default", opts.strategy), os.path.join(opts.output_dir, PLOT))
+    plot(result, (REFERENCE, opts.strategy), os.path.join(opts.output_dir, PLOT))
     text = report(opts, argvs, runs, result, seconds)
     with open(os.path.join(opts.output_dir, REPORT), "w") as f:
         f.write(text)

@@ -34,6 +34,15 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def order(self) -> list[str]:
+        """The names in the order they were registered."""
+        return list(self._entries)
+
+    def entry(self, name: str):
+        """What is registered as `name`, as registered (not imported)."""
+        self.check(name)
+        return self._entries[name]
+
     def check(self, name: str) -> None:
         if name not in self._entries:
             raise UsageError(f"{self.flag}={name!r} is not a registered {self.kind}; "

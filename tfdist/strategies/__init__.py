@@ -1,56 +1,115 @@
-"""Strategy registry: name -> adapter class, imported only when chosen."""
+"""The engines: one `Engine` record each (`records.py`), adapters imported
+only when chosen, engines of other packages found through the
+`tfdist.engines` entry points. Nothing here imports TensorFlow."""
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 
 from tfdist import cluster
 from tfdist.config import StrategyConfig
+from tfdist.errors import UsageError
 from tfdist.registry import Registry
 from tfdist.strategies.base import Strategy
+from tfdist.strategies.records import (HOROVODRUN, ONE_OR_WORKERS, ONE_PROCESS, PS_CLUSTER,
+                                       WORKERS, Engine)
+from tfdist.strategies import records as _engines
 
-_REGISTRY = Registry("--strategy", "strategy", {
-    "default": "tfdist.strategies.default:DefaultStrategy",
-    "mirrored": "tfdist.strategies.mirrored:MirroredStrategy",
-    "multi_worker": "tfdist.strategies.multi_worker:MultiWorkerStrategy",
-    "horovod": "tfdist.strategies.horovod:HorovodStrategy",
-    "dtensor": "tfdist.strategies.dtensor:DTensorStrategy",
-    "parameter_server": "tfdist.strategies.parameter_server:ParameterServerStrategy",
-    "pipeline": "tfdist.strategies.pipeline:PipelineStrategy",
-})
-names = _REGISTRY.names
-check_name = _REGISTRY.check
-# A new engine: one module with a `Strategy` subclass, and one line above (or
-# `tfdist.strategies.register("name", MyStrategy)` from a user's own code).
-register = _REGISTRY.register
+_WORKERS = functools.partial(cluster.check_workers, required=True)
+_WORKERS_IF_ANY = functools.partial(cluster.check_workers, required=False)
+
+REFERENCE = "default"   # the engine every other is compared with (tfdist-compare)
+BUILT_IN = (
+    Engine("default", "tfdist.strategies.default:DefaultStrategy",
+           "one device: the reference every other engine is compared with"),
+    Engine("mirrored", "tfdist.strategies.mirrored:MirroredStrategy",
+           "data parallel over this process's devices (MirroredStrategy)"),
+    Engine("multi_worker", "tfdist.strategies.multi_worker:MultiWorkerStrategy",
+           "data parallel over worker processes (MultiWorkerMirroredStrategy over "
+           "TF_CONFIG, --worker_hosts or Slurm)", launch=WORKERS, cluster=_WORKERS,
+           processes=2),
+    Engine("horovod", "tfdist.strategies.horovod:HorovodStrategy",
+           "data parallel over Horovod ranks under horovodrun (`make horovod` builds it)",
+           launch=HOROVODRUN, processes=2),
+    Engine("dtensor", "tfdist.strategies.dtensor:DTensorStrategy",
+           "tensor sharding over a --mesh with ZeRO stages 0-3, in one process or "
+           "across workers", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY),
+    Engine("parameter_server", "tfdist.strategies.parameter_server:ParameterServerStrategy",
+           "asynchronous: workers update variables on parameter servers "
+           "(ParameterServerStrategy; `tfdist-launch --workers=N --ps=P`)",
+           launch=PS_CLUSTER, synchronous=False, cluster=cluster.check_ps, processes=3),
+    Engine("pipeline", "tfdist.strategies.pipeline:PipelineStrategy",
+           "the model split into stages over devices or worker processes, micro-batches "
+           "on a GPipe or 1F1B schedule", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY),
+)
+_REGISTRY = Registry("--strategy", "strategy", {e.name: e for e in BUILT_IN})
 unregister = _REGISTRY.unregister
 
 
-# The engines whose cluster comes from TF_CONFIG (or host flags, or Slurm), with
-# its plain-Python check: `tfdist-train` runs it before TensorFlow loads, so a
-# bad TF_CONFIG is one line in a fraction of a second instead of after
-# TensorFlow's start-up (about 5 CPU-seconds). The engine checks again when set up.
-_CLUSTER_CHECKS = {
-    "multi_worker": functools.partial(cluster.check_workers, required=True),
-    "dtensor": functools.partial(cluster.check_workers, required=False),
-    "parameter_server": cluster.check_ps,
-    "pipeline": functools.partial(cluster.check_workers, required=False),
-}
+def check_name(name: str) -> None:
+    """Raise `UsageError` listing the engines unless `name` is one."""
+    _load_entry_points()
+    _REGISTRY.check(name)
+
+
+def register(name: str, entry) -> None:
+    """Add engine `name`: an `Engine` record, or its adapter alone (a class or
+    "package.module:Class", e.g. from a user's own code)."""
+    _REGISTRY.register(name, _engines.of(name, entry))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_entry_points() -> None:
+    """Register the engines other installed packages declare (once)."""
+    for point in importlib.metadata.entry_points(group=_engines.ENTRY_POINT_GROUP):
+        if point.name in _REGISTRY.names():
+            continue
+        try:
+            engine = point.load()
+        except Exception as error:   # noqa: BLE001  (a broken plug-in must not stop tfdist)
+            raise UsageError(f"engine {point.name!r} of entry point {point.value} cannot be "
+                             f"loaded: {type(error).__name__}: {error}") from None
+        _REGISTRY.register(point.name, _engines.of(point.name, engine))
+
+
+def names() -> list[str]:
+    _load_entry_points()
+    return _REGISTRY.names()
+
+
+def engines() -> list[Engine]:
+    """Every engine's record, built-in first, in declaration order."""
+    _load_entry_points()
+    return [_REGISTRY.entry(name) for name in _REGISTRY.order()]
+
+
+def engine(name: str) -> Engine:
+    _load_entry_points()
+    _REGISTRY.check(name)
+    return _REGISTRY.entry(name)
 
 
 def check_cluster(config: StrategyConfig) -> None:
     """Raise `UsageError` for a cluster `config.name`'s engine cannot use (no
-    TensorFlow; the environment is not changed)."""
-    check = _CLUSTER_CHECKS.get(config.name)
+    TensorFlow; the environment is not changed). `tfdist-train` runs it
+    before TensorFlow loads, so a bad TF_CONFIG is one line in a fraction of a
+    second instead of after TensorFlow's start-up (about 5 CPU-seconds); the
+    engine checks again when set up."""
+    check = engine(config.name).cluster
     if check is not None:
         check(config, dict(os.environ))
 
 
 def create(config: StrategyConfig) -> Strategy:
     """The adapter for `config.name`, not yet set up."""
-    return _REGISTRY.load(config.name)(config)
+    adapter = engine(config.name).adapter
+    if isinstance(adapter, str):
+        module_name, _, attribute = adapter.partition(":")
+        adapter = getattr(importlib.import_module(module_name), attribute)
+    return adapter(config)
 
 
-__all__ = ["Strategy", "check_cluster", "check_name", "create", "names", "register",
-           "unregister"]
+__all__ = ["Engine", "Strategy", "check_cluster", "check_name", "create", "engine", "engines",
+           "names", "register", "unregister"]
