@@ -16,7 +16,7 @@ install: $(STAMP)
 
 # The stamp is newer than setup.cfg/pyproject.toml once the pinned set is in,
 # so re-running make installs nothing.
-$(STAMP): setup.cfg pyproject.toml Makefile
+$(STAMP): setup.cfg setup.py pyproject.toml Makefile
 	@set -e; start=$$(date +%s); \
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 	$(BIN)/python -m pip install --quiet --upgrade pip; \

@@ -45,7 +45,7 @@ def long_functions(path, text, limit=MAX_TRAINING_FUNCTION_LINES):
 
 
 def test_private_upstream_names_only_in_compat():
-    found = [use for path, text in _sources("tfdist/**/*.py", "launch/*.py")
+    found = [use for path, text in _sources("tfdist/**/*.py", "launch/**/*.py")
              if not path.startswith(os.path.join("tfdist", "compat") + os.sep)
              for use in private_upstream_uses(path, text)]
     assert found == []

@@ -396,7 +396,7 @@ def test_an_unprivileged_user_gets_a_user_namespace_and_sigterm_still_stops_all(
     python = _python_for_nobody()
     if python is None:
         pytest.skip("no Python interpreter here that user nobody may run")
-    launcher = os.path.join(REPO, "launch", "tfdist_launch.py")
+    launcher = os.path.join(REPO, "launch", "tfdist_launch")   # the package, run as a directory
     proc = subprocess.Popen(AS_NOBODY + [python, "-I", launcher, "--workers=2", "--grace_s=5",
                                          "--", python, "-c", SLEEPS],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
