@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Optional
 
-from tfdist import slurm
+from tfdist import slurm, tf_config
 from tfdist.errors import UsageError
 
 # MultiWorkerMirroredStrategy runs chief and worker tasks; parameter servers
@@ -152,8 +152,7 @@ def tf_config_from_hosts(worker_hosts, task_index: Optional[int]) -> str:
         twice = sorted({a for a in worker_hosts if list(worker_hosts).count(a) > 1})[0]
         raise UsageError(f"--worker_hosts: {twice} appears more than once; every worker "
                          "needs its own host:port")
-    return json.dumps({"cluster": {"worker": list(worker_hosts)},
-                       "task": {"type": "worker", "index": task_index}})
+    return tf_config.compose({"worker": worker_hosts}, "worker", task_index)
 
 
 def resolve(worker_hosts=(), task_index: Optional[int] = None,
@@ -284,12 +283,10 @@ def ps_tf_config_from_hosts(worker_hosts, ps_hosts, task_type: str,
     cluster = {"chief": [worker_hosts[0]], "worker": list(worker_hosts[1:]),
                "ps": list(ps_hosts)}
     if task_type == "ps":
-        task = {"type": "ps", "index": task_index}
-    elif task_index == 0:
-        task = {"type": "chief", "index": 0}
-    else:
-        task = {"type": "worker", "index": task_index - 1}
-    return json.dumps({"cluster": cluster, "task": task})
+        return tf_config.compose(cluster, "ps", task_index)
+    if task_index == 0:
+        return tf_config.compose(cluster, "chief", 0)
+    return tf_config.compose(cluster, "worker", task_index - 1)
 
 
 def resolve_ps(worker_hosts=(), ps_hosts=(), task_type: str = "worker",

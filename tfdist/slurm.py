@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
-import json
 import math
 import re
 import socket
 from typing import Optional
 
+from tfdist import tf_config
 from tfdist.errors import UsageError
 
 PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
@@ -164,8 +164,7 @@ class SlurmTask:
         return self.addresses[self.rank]
 
     def tf_config(self) -> str:
-        return json.dumps({"cluster": {"worker": self.addresses},
-                           "task": {"type": "worker", "index": self.rank}})
+        return tf_config.compose({"worker": self.addresses}, "worker", self.rank)
 
 
 def in_job(environ) -> bool:
