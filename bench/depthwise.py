@@ -1,5 +1,5 @@
 """A depthwise convolution's backward pass: TensorFlow's native gradient ops
-against the DTensor engine's rewrite (`tfdist/strategies/dtensor_ops.py`:
+against the DTensor engine's rewrite (`tfdist/strategies/dtensor/ops.py`:
 k·k per-tap slices, products and sums, the ops DTensor can shard), both on
 one device, side by side in one process, so the ratio says what the rewrite
 costs where the native op would also run. Shapes are MobileNet/EfficientNet
@@ -21,7 +21,7 @@ import common  # noqa: E402
 
 import tensorflow as tf  # noqa: E402
 
-from tfdist.strategies import dtensor_ops  # noqa: E402
+from tfdist.strategies.dtensor import ops as dtensor_ops  # noqa: E402
 
 SHAPES = [  # (batch, size, channels, kernel, stride)
     (32, 32, 96, 3, 1), (32, 32, 144, 5, 2), (32, 56, 144, 3, 1), (32, 112, 32, 3, 2)]

@@ -38,7 +38,7 @@ def child(mode: str, width: int, depth: int) -> None:
     import tfdist
     from tfdist import models, strategies
     from tfdist.data.spec import DatasetSpec
-    from tfdist.strategies import dtensor_init
+    from tfdist.strategies.dtensor import init as dtensor_init
 
     if mode == "whole_then_split":
         dtensor_init.MAX_RUNS = -1   # every split value: drawn whole, then sliced

@@ -31,7 +31,7 @@ layout or gradient error moves weights by the learning rate times the gradient,
 
 Every cell runs in this one process (TensorFlow start-up once), each in its own
 try/except. Also probes a few TensorFlow ops against the rule set extracted from
-the TF source (tfdist/strategies/dtensor_rules.py). Writes a markdown report.
+the TF source (tfdist/strategies/dtensor/rules.py). Writes a markdown report.
 
   python conformance/dtensor_audit.py --out docs/dtensor_coverage.md [--layers Dense,LSTM]
 """
@@ -63,7 +63,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfdist.data.function_inputs import shard  # noqa: E402
 from tfdist.data.spec import DatasetSpec  # noqa: E402
-from tfdist.strategies import dtensor_rules  # noqa: E402
+from tfdist.strategies.dtensor import rules as dtensor_rules  # noqa: E402
 
 CLASSES = 4
 EXAMPLES = 64
@@ -469,7 +469,7 @@ def render(rows, skipped, probes, started, seconds, argv):
            f"- CPU: {hardware.describe()}",
            f"- TensorFlow {tf.__version__} ({tf.__git_version__}), Keras {keras.__version__}, "
            f"Python {platform.python_version()}, NumPy {np.__version__}",
-           f"- DTensor rule set: `tfdist/strategies/dtensor_rules.py` "
+           f"- DTensor rule set: `tfdist/strategies/dtensor/rules.py` "
            f"({len(dtensor_rules.OPS_WITH_RULES)} op types; {dtensor_rules.SOURCE})",
            f"- Command: `{' '.join(argv)}`", "",
            "Each row: input -> the layer (`probe`) -> Flatten -> Dense(4), trained 2 SGD steps "

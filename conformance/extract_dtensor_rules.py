@@ -1,4 +1,4 @@
-"""Regenerate tfdist/strategies/dtensor_rules.py from a TensorFlow source tree.
+"""Regenerate tfdist/strategies/dtensor/rules.py from a TensorFlow source tree.
 
 DTensor lowers an op only if an SPMD expander is registered for its MLIR name
 (`SPMDExpanderRegistry`, tensorflow/dtensor/mlir/spmd_expander.h); the
@@ -15,7 +15,7 @@ Source, one of:
                                at their repository paths)
 
   python conformance/extract_dtensor_rules.py --git-dir /work/.mirror/tensorflow+tensorflow/x.git \
-      --commit v2.21.0 --out tfdist/strategies/dtensor_rules.py
+      --commit v2.21.0 --out tfdist/strategies/dtensor/rules.py
 
 Pure Python, no TensorFlow import.
 """
@@ -93,6 +93,18 @@ def read_tree(root: str) -> dict[str, str]:
     return files
 
 
+def packed(items: list[str], width: int = 99) -> list[str]:
+    """`items` as lines of at most `width` characters, several to a line,
+    indented by four (the module stays short: its house rule is 500 lines)."""
+    lines: list[str] = []
+    for item in items:
+        if lines and len(lines[-1]) + 1 + len(item) <= width:
+            lines[-1] += " " + item
+        else:
+            lines.append("    " + item)
+    return lines
+
+
 def render(regs: list[dict], source: str, note: str) -> str:
     tf_ops = sorted({r["op"] for r in regs if r["dialect"] == "tf"})
     other = sorted({f'{r["dialect"]}.{r["op"]}' for r in regs if r["dialect"] != "tf"})
@@ -123,20 +135,19 @@ def render(regs: list[dict], source: str, note: str) -> str:
     lines += ["",
               "Regenerate for another TensorFlow with",
               "  python conformance/extract_dtensor_rules.py --git-dir DIR --commit vX.Y.Z \\",
-              "      --out tfdist/strategies/dtensor_rules.py",
+              "      --out tfdist/strategies/dtensor/rules.py",
               '"""', "",
               "# Generated; do not edit by hand (conformance/extract_dtensor_rules.py).", "",
               f"SOURCE = {source!r}", "",
               "OPS_WITH_RULES: frozenset[str] = frozenset({"]
-    lines += [f"    {op!r}," for op in tf_ops]
+    lines += packed([f"{op!r}," for op in tf_ops])
     lines += ["})", "",
               "# Registered expanders for ops outside the TF dialect (MLIR names).",
               f"NON_TF_OPS_WITH_RULES: frozenset[str] = frozenset({other!r})", "",
               "# Which expander each op has (tells batch-only and replicate-everything rules apart).",
               "EXPANDER = {"]
-    for exp in sorted(by_expander):
-        for op in sorted(set(by_expander[exp])):
-            lines.append(f"    {op!r}: {exp!r},")
+    lines += packed([f"{op!r}: {exp!r}," for exp in sorted(by_expander)
+                     for op in sorted(set(by_expander[exp]))])
     lines += ["}", "", HANDLED_WITHOUT_RULES_SRC.rstrip(), "",
               "",
               "def has_rule(op_type: str) -> bool:",

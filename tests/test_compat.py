@@ -646,7 +646,7 @@ def test_gradient_overridden_takes_effect_in_its_scope_only():
     """The DTensor engine's depthwise gradient is TensorFlow's registered one
     only inside the scope, and undone after."""
     from tensorflow.python.framework import ops
-    from tfdist.strategies import dtensor_ops
+    from tfdist.strategies.dtensor import ops as dtensor_ops
     before = ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE)
     with compat.gradient_overridden(dtensor_ops.DEPTHWISE, dtensor_ops._depthwise_grad):
         assert ops._gradient_registry.lookup(dtensor_ops.DEPTHWISE) is \

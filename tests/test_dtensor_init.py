@@ -1,6 +1,6 @@
 """Sharded variables start from one device's initial values.
 
-Each device's shard is drawn alone (tfdist/strategies/dtensor_init.py); the
+Each device's shard is drawn alone (tfdist/strategies/dtensor/init.py); the
 values are compared bit for bit: the same Philox elements go through the same
 float operations, only fewer of them, so nothing is reordered.
 """
@@ -13,7 +13,7 @@ from tensorflow.experimental import dtensor
 
 import tfdist
 from tfdist import models
-from tfdist.strategies import dtensor_init
+from tfdist.strategies.dtensor import init as dtensor_init
 
 from common import IMAGE_SPEC, image_dataset_fn
 from test_dtensor import _assert_matches, _config

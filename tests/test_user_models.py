@@ -4,7 +4,7 @@ and a real keras-hub Llama, each trained like one device.
 DTensor (TF 2.21) cannot lower a custom gradient with a constant input traced
 in a while loop's body (SiLU's), nor lay out a depthwise convolution's
 gradient ops; tfdist traces the step behind a call boundary and takes those
-gradients with ops DTensor can shard (`tfdist/strategies/dtensor_ops.py`).
+gradients with ops DTensor can shard (`tfdist/strategies/dtensor/ops.py`).
 In-process, on the 4 logical CPUs conftest configures; weights compared with
 `test_dtensor._assert_matches` (1e-5 relative, allowing for Adam).
 """
@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.data.spec import DatasetSpec
-from tfdist.strategies import dtensor_ops
+from tfdist.strategies.dtensor import ops as dtensor_ops
 
 from common import run_config, token_dataset_fn_for
 from test_dtensor import _assert_matches

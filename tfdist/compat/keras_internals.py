@@ -118,7 +118,7 @@ def keras_initializer_of(initial_value):
     What: the closure of the same callable as `keras_variable_of` (`lambda:
     initializer(self._shape, dtype=self._dtype)`). Why: the DTensor engine
     draws a sharded variable's value shard by shard only for initializers it
-    knows to be element-wise (`tfdist/strategies/dtensor_init.py`). Verified:
+    knows to be element-wise (`tfdist/strategies/dtensor/init.py`). Verified:
     keras 3.15.1. Check: `tests/test_dtensor_init.py` (a sharded variable of
     each kind matches one device's)."""
     import keras
@@ -266,7 +266,7 @@ def keras_random_draws(replacements: dict):
     `backend.random.<name>` at call time; restored on exit. Why: under a
     sharded layout the DTensor engine makes each device's shard of a
     variable's initial value equal to that slice of one device's draw, by
-    drawing the slice alone (`tfdist/strategies/dtensor_init.py`); Keras has
+    drawing the slice alone (`tfdist/strategies/dtensor/init.py`); Keras has
     no public hook between an initializer and its random op. Verified: keras
     3.15.1. Check: each function exists and `keras.random.<name>` still calls
     it through `backend.random` (`tests/test_compat.py`; ZeRO-3's initial
@@ -314,7 +314,7 @@ def model_layers(model) -> list:
     """Every layer of `model`, nested ones included, itself excluded.
 
     What: Keras's private `Layer._flatten_layers`. Why: ZeRO-3 wraps the call
-    of each layer that owns a gathered variable (`tfdist/strategies/dtensor.py`,
+    of each layer that owns a gathered variable (`tfdist/strategies/dtensor/gather.py`,
     `_gathered_per_layer`), and the layers that own variables are often nested
     (the transformer's attention projections); Keras 3 has no public recursive
     listing. Verified: keras 3.15.1. Check: the method exists.

@@ -100,7 +100,7 @@ def variable_index(optimizer, variable) -> int:
     """The optimizer's index of `variable` (its slots' position).
 
     What: Keras's private `Optimizer._get_variable_index`. Why: tfdist's DTensor
-    update steps (`dtensor_updates`) replace Keras's `update_step`, which must
+    update steps (`dtensor.updates`) replace Keras's `update_step`, which must
     never read a slot back after assigning it under DTensor (BUILD_NOTES
     "DTensor": loss 1.14 -> 132, weights not moving), and must find the slots
     exactly as Keras does. Verified: keras 3.15.1. Check: the method exists.

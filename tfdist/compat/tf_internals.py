@@ -160,7 +160,7 @@ def gradient_overridden(op_type: str, gradient):
     differentiate an op; restored on exit. Why: DTensor (2.21) has no layout
     rule for some gradient ops (a depthwise convolution's two); the DTensor
     engine takes those gradients with ops it can shard while it traces a step
-    (`tfdist/strategies/dtensor_ops.py`, BUILD_NOTES: depthwise convolutions
+    (`tfdist/strategies/dtensor/ops.py`, BUILD_NOTES: depthwise convolutions
     under DTensor). A public `tf.RegisterGradient` cannot replace an entry,
     and `gradient_override_map` is not consulted by the tape. Verified:
     tensorflow 2.21.0. Check: the registry, its entry dict and the tape's

@@ -33,14 +33,14 @@ BUILT_IN = (
     Engine("horovod", "tfdist.strategies.horovod:HorovodStrategy",
            "data parallel over Horovod ranks under horovodrun (`make horovod` builds it)",
            launch=HOROVODRUN, processes=2),
-    Engine("dtensor", "tfdist.strategies.dtensor:DTensorStrategy",
+    Engine("dtensor", "tfdist.strategies.dtensor.engine:DTensorStrategy",
            "tensor sharding over a --mesh with ZeRO stages 0-3, in one process or "
            "across workers", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY),
     Engine("parameter_server", "tfdist.strategies.parameter_server:ParameterServerStrategy",
            "asynchronous: workers update variables on parameter servers "
            "(ParameterServerStrategy; `tfdist-launch --workers=N --ps=P`)",
            launch=PS_CLUSTER, synchronous=False, cluster=cluster.check_ps, processes=3),
-    Engine("pipeline", "tfdist.strategies.pipeline:PipelineStrategy",
+    Engine("pipeline", "tfdist.strategies.pipeline.engine:PipelineStrategy",
            "the model split into stages over devices or worker processes, micro-batches "
            "on a GPipe or 1F1B schedule", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY),
 )

@@ -195,7 +195,7 @@ def shardable_gradients():
 # layout propagation"; `make audit`, docs/dtensor_coverage.md): RNN layers'
 # TensorLists, Bidirectional's ReverseV2, the softplus gradient, ZeRO-3's
 # RNN MatrixDiagPartV3, SpectralNormalization's OptionalNone. An op outside
-# `dtensor_rules.OPS_WITH_RULES` is refused only once it was seen to fail:
+# `rules.OPS_WITH_RULES` is refused only once it was seen to fail:
 # many others (variable reads, the input iterator) are lowered by DTensor's
 # passes without a rule.
 SEEN_WITHOUT_RULE = frozenset({
@@ -222,7 +222,7 @@ class Unlowerable(UsageError):
 def ops_without_rules(graph_def) -> list:
     """(op type, node name) of every op of `graph_def` (its functions too)
     that DTensor has no layout rule for and was seen to fail."""
-    from tfdist.strategies import dtensor_rules
+    from tfdist.strategies.dtensor import rules as dtensor_rules
     nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
     return [(n.op, n.name) for n in nodes
             if n.op in SEEN_WITHOUT_RULE and n.op not in dtensor_rules.OPS_WITH_RULES]

@@ -1,0 +1,287 @@
+"""`PipelineStrategy`: the `pipeline` engine's adapter (see the package's
+docstring): its stages and their placement, the checks, the reports and the
+step's gradients; the members for stages across processes are in
+`processes`, the traced items of one pipeline replica in `step`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+
+import tensorflow as tf
+
+from tfdist import cluster, compat
+from tfdist.errors import UsageError, first_line
+from tfdist.pipeline import schedule as schedule_lib
+from tfdist.pipeline import split as split_lib
+from tfdist.strategies.capabilities import PipelineStages
+from tfdist.strategies.multi_worker import MultiWorkerStrategy
+from tfdist.strategies.pipeline import step
+from tfdist.strategies.pipeline.processes import StagesAcrossProcesses
+
+
+class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStages):
+    """S stages (x R pipeline replicas) over the local devices, or over the
+    processes of a cluster (one stage per process)."""
+
+    name = "pipeline"
+    _timeline = None   # TFDIST_PIPELINE_TIMELINE's recording (`_prepare_timeline`)
+    supports_xla = False
+    supports_xla_reason = ("a pipeline's stages run on different devices, and one XLA "
+                           "cluster cannot span devices")
+
+    def _create(self):
+        config = self.config
+        self.num_stages = stages = config.pipeline_stages
+        self.stages = None          # `split.Stage`s, once placed
+        self._stage_models = None
+        self._stage_variables = None
+        self._microbatches = None
+        self._timeline = None
+        self._stage_of = {}          # id(trainable variable) -> its stage
+        self._released = set()       # ids of variables whose storage is freed here
+        self._transfers = {}         # traced `gather_stages`/`scatter_stages`, by content
+        spec = cluster.resolve(config.worker_hosts, config.task_index)
+        self.processes = spec is not None and spec.num_workers > 1
+        if not self.processes:
+            self._spec, self._num_workers, self._worker_index = spec, 1, 0
+            self.devices = cluster.local_devices(config.virtual_devices or None)
+            if len(self.devices) < stages or len(self.devices) % stages:
+                raise UsageError(
+                    f"--pipeline_stages={stages} does not divide onto the "
+                    f"{len(self.devices)} local device(s) ({', '.join(self.devices)}): use a "
+                    f"divisor of {len(self.devices)}, or --virtual_devices=<a multiple of "
+                    f"{stages}> on a CPU host")
+            self.pipeline_replicas = len(self.devices) // stages
+            self.local_stages = list(range(stages))
+            return tf.distribute.get_strategy()
+        if spec.num_workers % stages:
+            raise UsageError(
+                f"--pipeline_stages={stages} does not divide the cluster's "
+                f"{spec.num_workers} workers: a cluster of S x R workers runs R pipeline "
+                f"replicas of S stages, one stage per worker (e.g. tfdist-launch "
+                f"--workers={stages * max(1, spec.num_workers // stages)})")
+        strategy = super()._create()   # MultiWorkerMirroredStrategy: sets up the collectives
+        self.pipeline_replicas = self._num_workers // stages
+        self.stage = self._worker_index % stages
+        self.replica = self._worker_index // stages
+        self.local_stages = [self.stage]
+        self.devices = list(strategy.extended.worker_devices[:1])
+        return strategy
+
+    @property
+    def num_replicas(self) -> int:
+        """Pipeline replicas: the global batch is split over them."""
+        return self.pipeline_replicas if self.processes else 1
+
+    @property
+    def step_copies(self) -> int:
+        """Across processes every worker runs the step and the trainer sums
+        all N workers' results; in one process, one step."""
+        return self._num_workers if self.processes else 1
+
+    def describe(self) -> str:
+        if self.processes:
+            return (f"pipeline: {self.num_stages} stages x {self.pipeline_replicas} pipeline "
+                    f"replica(s) over {self._num_workers} workers, "
+                    f"{self.config.pipeline_schedule} schedule; this is "
+                    f"{self.worker_name(self._worker_index)}: stage {self.stage} of replica "
+                    f"{self.replica}{' (chief)' if self.is_chief else ''}")
+        groups = [", ".join(self.devices[r * self.num_stages:(r + 1) * self.num_stages])
+                  for r in range(self.pipeline_replicas)]
+        return (f"pipeline: {self.num_stages} stages x {self.pipeline_replicas} pipeline "
+                f"replica(s), {self.config.pipeline_schedule} schedule, on "
+                + "; ".join(groups))
+
+    def stage_device(self, stage: int, replica: int = 0) -> str:
+        if self.processes:
+            worker = replica * self.num_stages + stage
+            return f"worker {worker}" if stage != self.stage or replica != self.replica \
+                else self.devices[0]
+        return self.devices[replica * self.num_stages + stage]
+
+    def input_iterator(self, dataset_fn):
+        """Across processes, the S workers of a pipeline replica read the same
+        batches (stage 0 uses the inputs, the last stage the labels): R input
+        pipelines, each replica's its own."""
+        if not self.processes:
+            return super().input_iterator(dataset_fn)
+        iterator = iter(self.distribute_dataset(dataset_fn))
+        return iterator, iterator
+
+    # -- checks ------------------------------------------------------------------
+    def check_config(self, config) -> None:
+        tc = config.train
+        self._microbatches = tc.accum_steps
+        parts = self.pipeline_replicas * tc.accum_steps
+        if tc.global_batch_size % parts:
+            raise UsageError(
+                f"--global_batch_size={tc.global_batch_size} must be divisible by pipeline "
+                f"replicas ({self.pipeline_replicas}) x --microbatches ({tc.accum_steps}) "
+                f"= {parts}; e.g. {max(parts, tc.global_batch_size // parts * parts)}")
+        if tc.grad_compression in ("powersgd", "topk") or tc.sync_every:
+            what = (f"--sync_every={tc.sync_every}" if tc.sync_every
+                    else f"--grad_compression={tc.grad_compression}")
+            raise UsageError(f"{what}: --strategy=pipeline reduces each stage's gradients "
+                             "among that stage's replicas in its own step; it has no "
+                             "per-replica compression or local SGD (fp16/bf16 casts work)")
+        if tc.reduce_bucket_mb:
+            raise UsageError(f"--reduce_bucket_mb={tc.reduce_bucket_mb}: --strategy=pipeline "
+                             "makes one reduction per update; use --reduce_bucket_mb=0")
+        if self.processes and tc.precision == "mixed_float16":
+            raise UsageError("--precision=mixed_float16: across processes each pipeline "
+                             "worker applies its own stage's update, and fp16 loss scaling "
+                             "would skip steps stage by stage; use mixed_bfloat16 or float32")
+        if self.processes and tc.grad_agreement_every:
+            raise UsageError(f"--grad_agreement_every={tc.grad_agreement_every}: across "
+                             "processes a pipeline worker holds one stage's gradients, not a "
+                             "replica's; use --grad_agreement_every=0")
+
+    # -- the model ---------------------------------------------------------------
+    def place_model(self, model, input_signature=None) -> None:
+        """Split `model` into its stages, balanced by FLOPs for inputs like
+        `input_signature` (one example of the data, batch 1), and place them."""
+        names = list(self.config.pipeline_split) or None
+        self.stages = split_lib.split(model, self.num_stages, names=names,
+                                      input_signature=input_signature)
+        self._stage_models = split_lib.stage_models(model, self.stages)
+        self._stage_variables = [m.trainable_variables for m in self._stage_models]
+        self._stage_of = {id(v): s for s, variables in enumerate(self._stage_variables)
+                          for v in variables}
+        self._held = set()
+        for s in self.local_stages:
+            for variable in self._stage_models[s].variables:
+                self._held.add(id(variable))
+                if not self.processes:
+                    compat.move_variable(variable, self.stage_device(s))
+        self._prepare_timeline()
+        if self.processes:
+            for s in range(self.num_stages - 1):
+                shape = self._stage_models[s].output.shape
+                if any(d is None for d in shape[1:]):
+                    raise UsageError(
+                        f"pipeline stages across processes: the tensor between stage {s} and "
+                        f"{s + 1} has shape {tuple(shape)}; its dimensions after the batch "
+                        "must be fixed (e.g. --sequence_length) to be sent between workers")
+
+    def _prepare_timeline(self) -> None:
+        """With TFDIST_PIPELINE_TIMELINE=PREFIX (bench/pipeline.py), a worker
+        of a cross-process pipeline records, for each of its items in the last
+        step of every loop, the wall-clock time it started, the time its
+        inputs were there (received, or read) and the time it ended, and
+        `close` writes them to PREFIX-<worker>.json: the per-stage timeline
+        and bubble (an item's busy time runs from its inputs to its end)."""
+        self._timeline = None
+        prefix = os.environ.get("TFDIST_PIPELINE_TIMELINE")
+        if prefix and self.processes:
+            m = self._microbatches or 1
+            self._timeline_prefix = prefix
+            self._timeline_items = schedule_lib.schedule(
+                m, self.config.pipeline_schedule, self.num_stages)[self.stage]
+            self._timeline = tf.Variable(tf.zeros([len(self._timeline_items), 3], tf.float64),
+                                         trainable=False)
+
+    def close(self) -> None:
+        if self._timeline is not None:
+            stamps = self._timeline.numpy().tolist()
+            with open(f"{self._timeline_prefix}-{self._worker_index}.json", "w") as f:
+                json.dump({"stage": self.stage, "replica": self.replica,
+                           "schedule": self.config.pipeline_schedule,
+                           "microbatches": self._microbatches,
+                           # this process's peak resident memory (Linux: KiB)
+                           "peak_rss_bytes": resource.getrusage(
+                               resource.RUSAGE_SELF).ru_maxrss * 1024,
+                           # [kind, micro-batch, started, inputs there, ended]
+                           "items": [[kind, i, *times] for (kind, i), times
+                                     in zip(self._timeline_items, stamps)]}, f)
+            self._timeline = None
+        super().close()
+
+
+    def distribute_dataset(self, dataset_fn):
+        """Across processes (training, through `input_iterator`, and
+        evaluation), the S workers of a pipeline replica read the same
+        batches: R input pipelines, one per pipeline replica."""
+        if not self.processes:
+            return super().distribute_dataset(dataset_fn)
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.pipeline_replicas, input_pipeline_id=self.replica,
+            num_replicas_in_sync=self.pipeline_replicas)
+        with tf.device("/cpu:0"):
+            return dataset_fn(context)
+
+    def stage_report(self, model) -> str:
+        if self.stages is None:
+            self.place_model(model)
+        m = self._microbatches or 1
+        in_flight = schedule_lib.peak_in_flight(
+            schedule_lib.schedule(m, self.config.pipeline_schedule, self.num_stages))
+        lines = [self.describe(), split_lib.table(self.stages)]
+        lines += [f"stage {s} on {self.stage_device(s)}: at most {in_flight[s]} of {m} "
+                  f"micro-batches' activations held at once ({self.config.pipeline_schedule})"
+                  for s in range(self.num_stages)]
+        lines.append(f"ideal bubble (S-1)/(M+S-1) = {schedule_lib.bubble(self.num_stages, m):.0%}")
+        return "\n".join(lines)
+
+    def summary_fields(self, model, optimizer) -> dict:
+        fields = {"pipeline_stages": self.num_stages,
+                  "pipeline_replicas": self.pipeline_replicas,
+                  "pipeline_schedule": self.config.pipeline_schedule,
+                  "microbatches": self._microbatches,
+                  "stage_layers": [list(s.layers) for s in self.stages or ()],
+                  "stage_param_bytes": [s.param_bytes for s in self.stages or ()]}
+        if self.processes:
+            fields["stage"], fields["pipeline_replica"] = self.stage, self.replica
+        return fields
+
+    def describe_fault(self, error: Exception) -> str:
+        """Names the stage (and its device or worker) whose item failed: every
+        item's ops sit in a name scope `stage<s>_<F|B><micro-batch>`; across
+        processes a neighbour's failure shows as this worker's transfer
+        failing, which multi_worker's description traces to the peer."""
+        text = str(getattr(error, "message", error))
+        if self.processes:
+            found = re.search(r"stage(\d+)_([FB])(\d+)", text)
+            line = super().describe_fault(error)
+            if found and "peer" not in line and "unreachable" not in line:
+                kind = "forward" if found.group(2) == "F" else "backward"
+                return (f"pipeline stage {self.stage} of replica {self.replica} "
+                        f"({self.worker_name(self._worker_index)}, {kind} of micro-batch "
+                        f"{found.group(3)}): {type(error).__name__}: {first_line(error)}")
+            return re.sub(r"\bworker (\d+)\b", lambda w: f"worker {w.group(1)} (stage "
+                          f"{int(w.group(1)) % self.num_stages})", line)
+        found = re.search(r"stage(\d+)_([FB])(\d+)", text)
+        if found and self.stages is not None:
+            s = int(found.group(1))
+            kind = "forward" if found.group(2) == "F" else "backward"
+            return (f"pipeline stage {s} on {self.stage_device(s)} ({kind} of micro-batch "
+                    f"{found.group(3)}): {type(error).__name__}: {first_line(error)}")
+        return f"pipeline: {type(error).__name__}: {first_line(error)}"
+
+    # -- the step ----------------------------------------------------------------
+    def local_gradients(self, losses, x, y, weight):
+        """This process's stages' gradients, in the order of
+        `updated_variables(losses.variables)`; in one process, every stage's,
+        summed over its pipeline replicas."""
+        from tfdist.training.trainer import LocalGradients
+        m = losses.micro_batches
+        replicas = 1 if self.processes else self.pipeline_replicas
+        parts = tf.nest.map_structure(
+            lambda t: tf.reshape(t, [replicas, m, -1, *t.shape[1:]]), (x, y, weight))
+        grads, separate, counters = {}, {}, None
+        for r in range(replicas):
+            replica = self.replica if self.processes else r
+            more_grads, more_counters, more_separate = step.replica_items(
+                self, losses, tf.nest.map_structure(lambda t: t[r], parts), replica, replicas)
+            counters = more_counters if counters is None else counters + more_counters
+            for into, more in ((grads, more_grads), (separate, more_separate)):
+                for key, value in more.items():
+                    into[key] = value if key not in into else into[key] + value
+        def in_order(by_variable):
+            return [by_variable[id(v)] for v in self.updated_variables(losses.variables)]
+
+        return LocalGradients(in_order(grads), in_order(separate) if separate else [],
+                              counters, losses.provisional_divisor())
+
