@@ -40,8 +40,8 @@ def child(mode: str, width: int, depth: int) -> None:
     from tfdist.data.spec import DatasetSpec
     from tfdist.strategies.dtensor import init as dtensor_init
 
-    if mode == "whole_then_split":
-        dtensor_init.MAX_RUNS = -1   # every split value: drawn whole, then sliced
+    if mode == "whole_then_split":   # no shard drawn alone: every value whole, then sliced
+        dtensor_init.grouping = lambda kind, dtype_name: None
     config = (tfdist.StrategyConfig(name="default") if mode == "one_device" else
               tfdist.StrategyConfig(name="dtensor", virtual_devices=4, mesh="batch:4,model:1",
                                     zero_stage=3))

@@ -1,8 +1,8 @@
 """What the one global order costs the input pipeline: `--autoshard=global`
-(every worker reads and decodes every example, keeps its rows of each global
-batch) against `--autoshard=data` (each worker reads its own examples), on
-the bundled image dataset (`tfdist_shapes`, 32x32x3 PNGs decoded per
-example), side by side in one process.
+(every worker reads every record and shuffles the stored bytes, and decodes
+only its own rows of each global batch) against `--autoshard=data` (each
+worker reads and decodes its own examples), on the bundled image dataset
+(`tfdist_shapes`, 32x32x3 PNGs), side by side in one process.
 
 For N workers, pipeline 0 of N is timed alone (what one worker's input
 pipeline delivers; on real hosts the N run in parallel): global batches per
@@ -79,7 +79,7 @@ def main():
     fresh = time.perf_counter() - start
     description = (
         f"The training input of one worker of N, global batch {GLOBAL_BATCH}, shuffle buffer "
-        f"10000, `tfdist_shapes` ({examples} training images, decoded per example), "
+        f"10000, `tfdist_shapes` ({examples} training images; the global order decodes only a worker's own rows), "
         f"{args.batches} batches per measurement, the median of {args.repeats} interleaved "
         "repeats. Under the global order every worker reads the whole stream, so its input "
         "rate in global batches per second stays that of one worker, while per-worker "

@@ -241,9 +241,10 @@ def test_dtensor_refuses(train, expected):
     assert expected in str(error.value)
 
 
-@pytest.mark.parametrize("name", ["parameter_server", "horovod", "mirrored"])
+@pytest.mark.parametrize("name", ["parameter_server", "horovod", "mirrored", "pipeline"])
 def test_engines_without_per_replica_state_or_elastic_refuse(name):
-    """Checked from the engine's capabilities, before it is set up."""
+    """Checked from the engine's capabilities, before it is set up: one
+    refusal for every engine without them, naming those that have them."""
     config = run_config(name, grad_compression="topk")
     strategy = strategies.create(dataclasses.replace(config.strategy, elastic=name == "horovod"))
     if name == "mirrored":   # control: an engine with per-replica state
@@ -252,7 +253,10 @@ def test_engines_without_per_replica_state_or_elastic_refuse(name):
     with pytest.raises(UsageError) as error:
         compression.check_engine(config.train, strategy)
     assert {"parameter_server": "--strategy=parameter_server has none",
+            "pipeline": "--strategy=pipeline has none",
             "horovod": "with --elastic"}[name] in str(error.value)
+    if name != "horovod":
+        assert "(engines that do: default, mirrored, multi_worker, horovod)" in str(error.value)
 
 
 def test_preemption_between_averages_saves_at_the_next_one(tmp_path, initial):

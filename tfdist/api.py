@@ -389,6 +389,29 @@ def _check_run(config, strategy, dataset_fn, spec):
     return inputs
 
 
+def _checkpointer(config, strategy, model, optimizer, trainer) -> Optional[Checkpointer]:
+    """The run's checkpointer (None without a model_dir), with the
+    per-replica state every process saves beside each checkpoint."""
+    tc = config.train
+    if not tc.model_dir:
+        return None
+    checkpointer = Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
+                                is_chief=strategy.is_chief,
+                                shared_write=isinstance(strategy, TensorSharding)
+                                and strategy.num_workers > 1,
+                                model=model, optimizer=optimizer, step=trainer.step)
+    if trainer.replica_state_variables:
+        checkpointer.replica_state = ReplicaState(
+            checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
+            signature={"grad_compression": tc.grad_compression, "rank": tc.powersgd_rank,
+                       "fraction": tc.topk_fraction, "sync_every": tc.sync_every,
+                       "replicas": strategy.num_replicas},
+            process=strategy.worker_index, processes=strategy.num_workers,
+            variables=trainer.replica_state_variables,
+            replica_values=trainer.local_state.replica_values)
+    return checkpointer
+
+
 def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
            metrics) -> RunResult:
     tc = config.train
@@ -409,23 +432,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     if strategy.is_chief and tc.model_dir:   # once every check has passed
         export_lib.write_run_record(tc.model_dir, config, inputs.spec,
                                     builder=model_fn is None)
-    checkpointer = None
-    if tc.model_dir:
-        checkpointer = Checkpointer(checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
-                                    is_chief=strategy.is_chief,
-                                    shared_write=isinstance(strategy, TensorSharding)
-                                    and strategy.num_workers > 1,
-                                    model=model,
-                                    optimizer=optimizer, step=trainer.step)
-    if checkpointer and trainer.replica_state_variables:
-        checkpointer.replica_state = ReplicaState(
-            checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,
-            signature={"grad_compression": tc.grad_compression, "rank": tc.powersgd_rank,
-                       "fraction": tc.topk_fraction, "sync_every": tc.sync_every,
-                       "replicas": strategy.num_replicas},
-            process=strategy.worker_index, processes=strategy.num_workers,
-            variables=trainer.replica_state_variables,
-            replica_values=trainer.local_state.replica_values)
+    checkpointer = _checkpointer(config, strategy, model, optimizer, trainer)
     controller = Controller(config=config, trainer=trainer, inputs=inputs, total_steps=steps,
                             checkpointer=checkpointer, flops_per_example=flops_per_example,
                             peak_tflops=peak_tflops)

@@ -66,7 +66,6 @@ Exit status 0 within tolerance, 1 diverged, 2 bad input or a failed run
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import importlib.util
 import json
@@ -85,6 +84,10 @@ import numpy as np
 # Bad input or a failed run: one line on stderr, exit status 2 (see main).
 from tfdist import strategies
 from tfdist.errors import UsageError
+from tfdist.observe.compare_report import plot, report
+from tfdist.observe.divergence import (DEFAULT_TOLERANCE, DEFAULT_WINDOW, LOSS_FLOOR,  # noqa: F401
+                                       Divergence,
+                                       agreement_table, align, divergence, moving_average)
 from tfdist.strategies import records as engines_lib
 
 REFERENCE = strategies.REFERENCE
@@ -129,15 +132,12 @@ def _default_workers(name: str):
                                                                _launch_horovod) else None
 
 
-DEFAULT_TOLERANCE = 0.1
-DEFAULT_WINDOW = 5
 DEFAULT_TIMEOUT_S = 900.0
 # Flags tfdist-compare sets on each run itself; they come after the shared
 # flags (a --flagfile such as configs/demo.cfg sets --strategy) so they win.
 OWNED_FLAGS = ("strategy", "model_dir", "log_every", "grad_agreement_every")
 REPORT, PLOT = "report.md", "loss_curves.png"
 _MARKER = ".tfdist-compare"   # marks an output dir this tool may clean
-_REPLICA_TAG = re.compile(r"grad_agreement_replica_(\d+)$")
 _STOP_GRACE_S = 10.0  # above tfdist-launch's own 5 s stop grace: it stops its workers first
 
 
@@ -158,94 +158,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-# -- the divergence measure (pure numpy) ------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Divergence:
-    steps: np.ndarray            # aligned steps
-    default: np.ndarray          # default run's loss at `steps`
-    distributed: np.ndarray      # distributed run's loss at `steps`
-    window: int                  # the moving-average window actually used
-    smooth_steps: np.ndarray     # last step of each full window
-    smooth_default: np.ndarray
-    smooth_distributed: np.ndarray
-    relative_gap: np.ndarray     # at `smooth_steps`; inf where a loss is not finite
-    tolerance: float
-
-    @property
-    def gap(self) -> np.ndarray:
-        """Per-step (unsmoothed) gap, distributed - default."""
-        return self.distributed - self.default
-
-    @property
-    def worst(self) -> int:
-        """Index into the smoothed arrays of the largest relative gap."""
-        return int(np.argmax(self.relative_gap))
-
-    @property
-    def max_relative_gap(self) -> float:
-        return float(self.relative_gap[self.worst])
-
-    @property
-    def diverged(self) -> bool:
-        return self.max_relative_gap > self.tolerance
-
-
-# The relative gap's denominator never falls below this fraction of the
-# default run's first smoothed loss (see the module docstring).
-LOSS_FLOOR = 0.25
-
-
-def align(a: dict, b: dict) -> tuple:
-    """Put two {step: value} curves on one grid: the steps of the sparser one
-    inside the range both cover; the other is read there by linear
-    interpolation (exact where it has that step). Returns (steps, a, b)."""
-    if not a or not b:
-        raise ValueError("a curve has no points")
-    sa, sb = np.array(sorted(a), dtype=np.int64), np.array(sorted(b), dtype=np.int64)
-    grid = sa if len(sa) <= len(sb) else sb
-    low, high = max(sa[0], sb[0]), min(sa[-1], sb[-1])
-    steps = grid[(grid >= low) & (grid <= high)]
-    if not len(steps):
-        raise ValueError(f"the curves do not overlap (steps {sa[0]}-{sa[-1]} and "
-                         f"{sb[0]}-{sb[-1]})")
-    va = np.interp(steps, sa, [a[s] for s in sa])
-    vb = np.interp(steps, sb, [b[s] for s in sb])
-    return steps, va, vb
-
-
-def moving_average(values: np.ndarray, window: int) -> np.ndarray:
-    """Trailing mean over full windows: element i is the mean of values[i:i+window]."""
-    return np.convolve(values, np.ones(window) / window, mode="valid")
-
-
-def divergence(default: dict, distributed: dict, *, window: int = DEFAULT_WINDOW,
-               tolerance: float = DEFAULT_TOLERANCE) -> Divergence:
-    """Compare two {step: loss} curves (see the module docstring)."""
-    steps, a, b = align(default, distributed)
-    window = max(1, min(window, len(steps)))
-    smooth_a, smooth_b = moving_average(a, window), moving_average(b, window)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        floor = max(LOSS_FLOOR * abs(smooth_a[0]), 1e-8) if np.isfinite(smooth_a[0]) else 1e-8
-        relative = np.abs(smooth_b - smooth_a) / np.maximum(np.abs(smooth_a), floor)
-    relative = np.where(np.isfinite(relative), relative, np.inf)  # NaN never passes
-    return Divergence(steps=steps, default=a, distributed=b, window=window,
-                      smooth_steps=steps[window - 1:], smooth_default=smooth_a,
-                      smooth_distributed=smooth_b, relative_gap=relative,
-                      tolerance=tolerance)
-
-
-def agreement_table(scalars: dict) -> dict:
-    """{replica: (min, mean, samples)} of the logged per-replica gradient cosines."""
-    table = {}
-    for tag, curve in scalars.items():
-        match = _REPLICA_TAG.match(tag)
-        if match and curve:
-            values = np.array(list(curve.values()))
-            table[int(match.group(1))] = (float(values.min()), float(values.mean()), len(values))
-    return dict(sorted(table.items()))
-
-
-# -- command line -------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     """Options grouped by concern, each help saying its default and valid values
     (the style of tfdist-train --help)."""
@@ -490,120 +402,6 @@ def read_run(name: str, model_dir: str) -> dict:
     if not scalars.get("loss"):
         raise UsageError(f"run {name} wrote no 'loss' scalars to {train_dir}")
     return {"summary": summary, "scalars": scalars}
-
-
-# -- outputs ------------------------------------------------------------------
-def plot(result: Divergence, names: tuple, path: str) -> None:
-    """Loss curves overlaid (top); per-step gap and smoothed relative gap (bottom)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for values, smooth, name, color in ((result.default, result.smooth_default, names[0], "C0"),
-                                        (result.distributed, result.smooth_distributed,
-                                         names[1], "C1")):
-        top.plot(result.steps, values, color=color, alpha=0.35, linewidth=1)
-        top.plot(result.smooth_steps, smooth, color=color, linewidth=2,
-                 label=f"{name} (mean of {result.window} steps)")
-    top.set_ylabel("training loss")
-    top.set_title(f"{names[0]} vs {names[1]}: training loss")
-    top.legend()
-    top.grid(alpha=0.3)
-    bottom.plot(result.steps, result.gap, color="C2", linewidth=1,
-                label=f"per-step gap ({names[1]} - {names[0]})")
-    bottom.axhline(0.0, color="grey", linewidth=0.5)
-    bottom.set_ylabel("loss gap")
-    bottom.set_xlabel("global step")
-    right = bottom.twinx()
-    finite = np.where(np.isfinite(result.relative_gap), result.relative_gap, np.nan)
-    right.plot(result.smooth_steps, finite, color="C3", linewidth=2,
-               label="smoothed relative gap")
-    right.axhline(result.tolerance, color="C3", linestyle="--", linewidth=1,
-                  label=f"tolerance {result.tolerance:g}")
-    worst = result.worst
-    if np.isfinite(result.relative_gap[worst]):
-        right.plot([result.smooth_steps[worst]], [result.relative_gap[worst]], "o", color="C3")
-    right.set_ylabel("relative gap")
-    # Both axes symmetric about 0, so their zeros (and the tolerance line) read true.
-    left_span = np.nanmax(np.abs(np.where(np.isfinite(result.gap), result.gap, np.nan)),
-                          initial=0.0) * 1.1 or 1.0
-    right_span = max(np.nanmax(finite, initial=0.0), result.tolerance) * 1.1
-    bottom.set_ylim(-left_span, left_span)
-    right.set_ylim(-right_span, right_span)
-    handles = bottom.get_legend_handles_labels()
-    more = right.get_legend_handles_labels()
-    bottom.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left")
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _last(curve: dict) -> float:
-    return curve[max(curve)]
-
-
-def _number(value, fmt=".4f") -> str:
-    return "n/a" if value is None else format(value, fmt)
-
-
-def report(opts, argvs: dict, runs: dict, result: Divergence, seconds: dict) -> str:
-    """The markdown report: commands, hardware, final metrics, divergence, agreement."""
-    base, dist = REFERENCE, opts.strategy
-    worst = result.worst
-    step = int(result.smooth_steps[worst])
-    at = int(np.searchsorted(result.steps, step))
-    verdict = ("DIVERGED: beyond" if result.diverged else "PASS: within")
-    lines = [f"# tfdist-compare: {base} vs {dist}", "",
-             f"**{verdict} tolerance** (largest smoothed relative loss gap "
-             f"{result.max_relative_gap:.4g} vs tolerance {opts.tolerance:g})", "",
-             "## Runs", ""]
-    for name, argv in argvs.items():
-        lines += [f"{name} ({seconds[name]:.1f}s):", "```", shlex.join(argv), "```"]
-    summary = runs[dist]["summary"]
-    lines += ["", f"Hardware: {summary.get('hardware', runs[base]['summary'].get('hardware'))}",
-              "", f"Steps: {base} {runs[base]['summary'].get('steps')}, {dist} "
-              f"{summary.get('steps')} ({summary.get('replicas')} replicas, "
-              f"{summary.get('workers')} worker(s), global batch "
-              f"{summary.get('global_batch_size')}); compared at {len(result.steps)} steps, "
-              f"moving average over {result.window} steps", "",
-              "## Final metrics", "", f"| | {base} | {dist} |", "|---|---|---|"]
-    rows = (("final training loss (last step)", lambda r: _last(r["scalars"]["loss"])),
-            ("training accuracy (last loop)", lambda r: r["summary"].get("train_accuracy")),
-            ("test loss", lambda r: r["summary"].get("test_loss")),
-            ("test accuracy", lambda r: r["summary"].get("accuracy")))
-    for label, get in rows:
-        lines.append(f"| {label} | {_number(get(runs[base]))} | {_number(get(runs[dist]))} |")
-    lines += ["", "## Largest divergence", "",
-              f"At step {step} (mean of the {result.window} steps ending there): {base} "
-              f"{result.smooth_default[worst]:.5g}, {dist} {result.smooth_distributed[worst]:.5g}, "
-              f"gap {result.smooth_distributed[worst] - result.smooth_default[worst]:+.4g} "
-              f"(relative {result.max_relative_gap:.4g}, tolerance {opts.tolerance:g}). "
-              f"Unsmoothed at step {step}: {base} {result.default[at]:.5g}, {dist} "
-              f"{result.distributed[at]:.5g}."]
-    gaps = np.abs(np.nan_to_num(result.gap, nan=np.inf))
-    raw = int(np.argmax(gaps))
-    lines.append(f"Largest per-step gap: {result.gap[raw]:+.4g} at step {int(result.steps[raw])}.")
-    lines += ["", *_agreement_lines(opts, runs[dist]["scalars"])]
-    return "\n".join(lines) + "\n"
-
-
-def _agreement_lines(opts, scalars: dict) -> list:
-    if not opts.grad_agreement_every:
-        return []
-    table = agreement_table(scalars)
-    lines = ["## Gradient agreement", ""]
-    if not table:
-        return lines + [f"No per-replica gradient agreement was logged (asked for every "
-                        f"{opts.grad_agreement_every} steps)."]
-    samples = max(n for _, _, n in table.values())
-    lines += [f"Cosine similarity of each replica's local gradient with the cross-replica "
-              f"mean, over {samples} sampled steps (every {opts.grad_agreement_every}):", "",
-              "| replica | min | mean |", "|---|---|---|"]
-    lines += [f"| {r} | {low:.4f} | {mean:.4f} |" for r, (low, mean, _) in table.items()]
-    overall = min(low for low, _, _ in table.values())
-    return lines + ["", f"Overall min: {overall:.4f}"]
 
 
 def compare(opts, shared: list) -> int:

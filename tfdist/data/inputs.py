@@ -103,20 +103,27 @@ class Inputs(abc.ABC):
                                     reshuffle_each_iteration=False)
 
         ds = tf.data.Dataset.range(first_epoch, MAX_EPOCHS).flat_map(epoch).skip(offset)
-        ds = ds.batch(global_batch_size, drop_remainder=True)
-        rows = global_batch_size // pipelines
-        if pipelines > 1:
-            first = context.input_pipeline_id * rows
-            ds = ds.map(plain(lambda *batch: tf.nest.map_structure(
-                lambda t: t[first:first + rows], batch)))
-        if decode is not None:   # only this pipeline's rows, in parallel
-            ds = ds.unbatch().map(plain(lambda x, y, w: (*decode(x, y), w)),
-                                  num_parallel_calls=AUTOTUNE)
-            ds = ds.batch(rows, drop_remainder=True)
-        per_replica = context.get_per_replica_batch_size(global_batch_size)
-        if per_replica != global_batch_size // pipelines:
-            ds = ds.rebatch(per_replica, drop_remainder=True)
-        return ds
+        return _own_rows(ds.batch(global_batch_size, drop_remainder=True), context,
+                         global_batch_size, decode)
+
+
+def _own_rows(ds, context, global_batch_size: int, decode):
+    """Global batches `ds` -> this pipeline's rows of each, decoded (`decode`
+    of one stored example, or None), in per-replica batches."""
+    pipelines = context.num_input_pipelines
+    rows = global_batch_size // pipelines
+    if pipelines > 1:
+        first = context.input_pipeline_id * rows
+        ds = ds.map(plain(lambda *batch: tf.nest.map_structure(
+            lambda t: t[first:first + rows], batch)))
+    if decode is not None:   # only this pipeline's rows, in parallel
+        ds = ds.unbatch().map(plain(lambda x, y, w: (*decode(x, y), w)),
+                              num_parallel_calls=AUTOTUNE)
+        ds = ds.batch(rows, drop_remainder=True)
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    if per_replica != rows:
+        ds = ds.rebatch(per_replica, drop_remainder=True)
+    return ds
 
 
 def check_structure(element_spec) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from tfdist.config import StrategyConfig
 from tfdist.errors import UsageError, first_line
@@ -40,6 +40,15 @@ def tf_variable(variable):
     """The `tf.Variable` behind `variable` (a Keras variable holds one)."""
     import keras
     return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+class TrainingState(NamedTuple):
+    """What a run trains and keeps, as the lifecycle hooks see it."""
+
+    variables: list              # the weights, the optimizer's variables, the step
+    owned: Callable[[], list]    # (variable, the trainable variable whose holder owns it),
+    #                              for every trainable variable and optimizer slot
+    step: Any                    # the global step variable
 
 
 class Strategy(abc.ABC):
@@ -268,6 +277,27 @@ class Strategy(abc.ABC):
     def describe_fault(self, error: Exception) -> str:
         """One line naming what failed, for an engine error during training."""
         return f"worker {self.worker_index}: {type(error).__name__}: {first_line(error)}"
+
+    # -- lifecycle hooks: where the training state lives between steps --------
+    # The controller calls them (through the trainer) around checkpoints,
+    # restores and the start and end of training. An engine that splits the
+    # state across processes (pipeline stages) moves it here; the defaults
+    # suit every engine whose chief holds the whole state.
+    def gather_state(self, state: TrainingState) -> None:
+        """Before a checkpoint and at the end of training: the chief must hold
+        all of `state`. Default: it does."""
+
+    def release_state(self, state: TrainingState) -> None:
+        """After a checkpoint is written: undo `gather_state`."""
+
+    def hold_state(self, state: TrainingState) -> None:
+        """Before a restore, which writes every variable: storage for all of
+        `state` in this process, without a collective."""
+
+    def broadcast_state(self, state: TrainingState, restored: bool) -> None:
+        """Every replica starts from the chief's `state` (`restored`: whether
+        this process restored a checkpoint)."""
+        self.broadcast_variables(state.variables)
 
     def broadcast_variables(self, variables) -> None:
         """Make every replica start from the chief's values (no-op where the

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar
+
+from tfdist.errors import UsageError
 
 T = TypeVar("T")
 
@@ -24,8 +26,15 @@ T = TypeVar("T")
 class Capability(abc.ABC):
     """Base of the capability interfaces."""
 
+    needs = "a capability"   # what a feature needs, in `require`'s refusal
+
     def active(self) -> bool:
         """Whether this run uses the capability (default: always, when implemented)."""
+        return True
+
+    @classmethod
+    def offered_by(cls, adapter: type) -> bool:
+        """Whether engines of class `adapter` (a subclass) offer it at all."""
         return True
 
 
@@ -34,6 +43,31 @@ def capability(strategy, interface: type[T]) -> Optional[T]:
     if isinstance(strategy, interface) and interface.active(strategy):
         return strategy
     return None
+
+
+def require(strategy, interface: type[T], feature: str) -> T:
+    """`strategy` as an `interface`, or the one refusal every capability
+    shares: a `UsageError` naming `feature`, what it needs, the engine, and
+    the engines that have it (their adapters are imported to ask)."""
+    found = capability(strategy, interface)
+    if found is not None:
+        return found
+    import importlib
+
+    from tfdist import strategies
+    having = []
+    for engine in strategies.engines():
+        adapter = engine.adapter
+        if isinstance(adapter, str):
+            module, _, name = adapter.partition(":")
+            try:
+                adapter = getattr(importlib.import_module(module), name)
+            except ImportError:   # an engine whose own dependency is missing
+                continue
+        if issubclass(adapter, interface) and interface.offered_by(adapter):
+            having.append(engine.name)
+    raise UsageError(f"{feature} needs {interface.needs}; --strategy={strategy.config.name} "
+                     f"has none (engines that do: {', '.join(having) or 'none'})")
 
 
 class TensorSharding(Capability):
@@ -141,6 +175,25 @@ class ServingProcesses(Capability):
         return True (the caller then trains nothing here); else False."""
 
 
+class LocalGradients(NamedTuple):
+    """One replica's gradients and counters, before the cross-replica sum.
+
+    data: gradients of its share of the data loss, scaled by 1/(the global
+      divisor) where that is known without the data; else provisionally by
+      1/`provisional_divisor` (the global batch size), and rescaled by the
+      reduced divisor after the sum (masks, `mean_with_sample_weight`).
+    regularization: gradients of the model's regularization losses, kept
+      apart (not rescaled) exactly when the data's are rescaled; else empty.
+    counters: the loss numerator, divisor and metric deltas.
+    provisional_divisor: None, or the divisor `data` was provisionally scaled by.
+    """
+
+    data: list
+    regularization: list
+    counters: Any
+    provisional_divisor: Optional[Any]
+
+
 class PipelineStages(Capability):
     """The model is split into stages (`tfdist.pipeline.split`), each stage's
     layers, variables and optimizer slots on its own device, and micro-batches
@@ -205,7 +258,8 @@ class PipelineStages(Capability):
 
     # Where `splits_update`, a process holds only its stages; `pairs` are
     # (variable, the trainable variable whose stage it belongs to) for every
-    # trainable variable and optimizer slot (`Trainer.share_stages`).
+    # trainable variable and optimizer slot (`TrainingState.owned`); the
+    # engine's lifecycle hooks (`Strategy.gather_state`, ...) call these.
     def release_others(self, pairs) -> None:
         """Free this process's storage of the other stages' `pairs`."""
 
@@ -238,7 +292,19 @@ class ReplicaLocalState(Capability):
     replica: what compressed exchanges with error feedback
     (`--grad_compression=powersgd|topk`) and local SGD (`--sync_every`) need.
     Engines whose step is one SPMD program (DTensor), or whose workers step
-    independently against servers (parameter servers), do not have it."""
+    independently against servers (parameter servers), do not have it; an
+    engine that inherits it but runs no such replicas (a pipeline's stages)
+    says so with `replica_local_state = False`."""
+
+    needs = "replicas that each step on their own data and keep state of their own"
+    replica_local_state = True
+
+    def active(self) -> bool:
+        return type(self).replica_local_state
+
+    @classmethod
+    def offered_by(cls, adapter: type) -> bool:
+        return adapter.replica_local_state
 
     @abc.abstractmethod
     def replica_variable(self, initial_value, name: str):

@@ -41,6 +41,7 @@ import re
 import socket
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
@@ -48,12 +49,11 @@ from absl import logging
 from tfdist import cluster, compat
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import logs
+from tfdist.observe.totals import LoopTotals
 from tfdist.strategies import watchdog
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import ScheduledSteps, ServingProcesses
 from tfdist.strategies.tf_distribute import apply_if_merged, run_first_result
-from tfdist.training.precision import Precision
-from tfdist.training.totals import LoopTotals
 from tfdist.strategies.multi_worker import _reason
 
 CHIEF_POLL_S = 1.0       # how often a server checks that the chief is still there
@@ -284,7 +284,10 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
         if any(compat.is_sharded(_value(v)) for v in variables):
             # The optimizer that applies the updates (a LossScaleOptimizer
             # hands them to its inner one) updates partitioned variables directly.
-            compat.optimizer_updates_sharded_variables(Precision.applying_optimizer(optimizer))
+            applying = (optimizer.inner_optimizer
+                        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                        else optimizer)
+            compat.optimizer_updates_sharded_variables(applying)
 
     def host_function(self, fn):
         """`fn` as one closure on a free worker; its result once it is done."""

@@ -36,6 +36,8 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import UsageError
+from tfdist.strategies.capabilities import (ElasticMembership, ReplicaLocalState,
+                                            capability, require)
 from tfdist.training import optimizers
 
 CASTS = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
@@ -394,18 +396,12 @@ def create(train_config, variables, optimizer):
 
 def check_engine(train_config, strategy) -> None:
     """`UsageError` where the run's engine cannot do its compression or local SGD."""
-    from tfdist.strategies.capabilities import (ElasticMembership, ReplicaLocalState,
-                                                capability)
     tc = train_config
     what = (f"--grad_compression={tc.grad_compression}" if tc.grad_compression in STATEFUL
             else f"--sync_every={tc.sync_every}" if tc.sync_every else None)
     if what is None:
         return
-    name = strategy.config.name
-    if not capability(strategy, ReplicaLocalState):
-        raise UsageError(f"{what} needs replicas that each step on their own data and keep "
-                         f"state of their own; --strategy={name} has none (mirrored, "
-                         "multi_worker and horovod have)")
+    require(strategy, ReplicaLocalState, what)
     if capability(strategy, ElasticMembership):
         raise UsageError(f"{what} with --elastic: the per-replica state (error feedback, "
                          "local optimizer state) cannot follow ranks that join or leave; "

@@ -27,7 +27,7 @@ from tfdist.strategies.capabilities import ElasticMembership, ScheduledSteps, ca
 from tfdist.training import nonfinite, optimizers
 from tfdist.training.interrupts import Preempted, StopSignals
 from tfdist.training.precision import Precision
-from tfdist.training.totals import LoopTotals
+from tfdist.observe.totals import LoopTotals
 from tfdist.training.trainer import Trainer
 
 
@@ -68,7 +68,7 @@ class Controller:
         self.data = TrainingData(config=config, strategy=strategy, inputs=inputs,
                                  checkpointer=checkpointer)
         self.nonfinite = nonfinite.Policy(tc, strategy, checkpointer,
-                                          before_restore=trainer.hold_whole_model,
+                                          before_restore=trainer.hold_state,
                                           restore_state=self._broadcast_restored)
         self.elastic = capability(strategy, ElasticMembership)
         self.tensorboard = TensorBoard(tc.model_dir, enabled=strategy.is_chief)
@@ -93,7 +93,7 @@ class Controller:
         restored = None
         if self.checkpointer:
             if self.checkpointer.candidates():   # a restore writes every variable
-                self.trainer.hold_whole_model()
+                self.trainer.hold_state()
             restored = self.checkpointer.restore_latest()
         state = self.trainer.state_variables
         try:
@@ -135,7 +135,7 @@ class Controller:
             self._time(run, examples, seconds)
             step = stop
             self._after_loop(run, step, totals, examples / seconds)
-        self.trainer.share_stages()   # the whole trained model on the chief
+        self.trainer.gather_state()   # the whole trained model on the chief
         return self._final_metrics(run, step)
 
     def _next_stop(self, step: int) -> int:
@@ -178,10 +178,10 @@ class Controller:
             run.eval_metrics = self.evaluate()
             logged.update(run.eval_metrics)
         if self.checkpointer and (due(tc.checkpoint_every) or step == self.total_steps):
-            self.trainer.share_stages()
+            self.trainer.gather_state()
             self.checkpointer.save(step)
             if step < self.total_steps:
-                self.trainer.release_stages()
+                self.trainer.release_state()
         if self.strategy.step_copies > 1:   # an explicit all-reduce
             logged["bytes_reduced_per_update"] = self.trainer.bytes_per_update
         scheduled = capability(self.strategy, ScheduledSteps)
@@ -239,7 +239,7 @@ class Controller:
         if signals.interrupted:
             raise KeyboardInterrupt
         if step < self.total_steps and self.strategy.any_worker(signals.preempted):
-            self.trainer.share_stages()
+            self.trainer.gather_state()
             saved = self.checkpointer.save(step) if self.checkpointer else None
             if saved is None and self.checkpointer and not self.strategy.is_chief:
                 saved = "(by the chief)"

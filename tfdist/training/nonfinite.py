@@ -16,7 +16,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.errors import NonFiniteLoss
-from tfdist.training.totals import LOSS_NUMERATOR, LoopTotals
+from tfdist.observe.totals import LOSS_NUMERATOR, LoopTotals
 
 
 def apply_unless_nonfinite(strategy, policy: str, counters, apply: Callable, grads) -> None:

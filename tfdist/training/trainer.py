@@ -15,72 +15,20 @@ Everything engine-specific goes through the strategy adapter's hooks.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple, Optional
-
 import keras
 import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import UsageError, first_line
-from tfdist.strategies.base import Strategy
-from tfdist.strategies.capabilities import (PipelineStages, ReplicaLocalState, ScheduledSteps,
-                                            TensorSharding, capability)
+from tfdist.strategies.base import Strategy, TrainingState
+from tfdist.strategies.capabilities import (LocalGradients, PipelineStages, ReplicaLocalState,
+                                            ScheduledSteps, TensorSharding, capability)
 from tfdist.training import compression, nonfinite, xla
+from tfdist.training.local_sgd import LocalSGDSteps
+from tfdist.training.micro_batches import MicroBatchLoss
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task
-from tfdist.training.totals import LOSS_DIVISOR, LOSS_NUMERATOR, METRICS, LoopTotals
-
-
-class LocalGradients(NamedTuple):
-    """One replica's gradients and counters, before the cross-replica sum.
-
-    data: gradients of its share of the data loss, scaled by 1/(the global
-      divisor) where that is known without the data; else provisionally by
-      1/`provisional_divisor` (the global batch size), and rescaled by the
-      reduced divisor after the sum (masks, `mean_with_sample_weight`).
-    regularization: gradients of the model's regularization losses, kept
-      apart (not rescaled) exactly when the data's are rescaled; else empty.
-    counters: the loss numerator, divisor and metric deltas.
-    provisional_divisor: None, or the divisor `data` was provisionally scaled by.
-    """
-
-    data: list
-    regularization: list
-    counters: tf.Tensor
-    provisional_divisor: Optional[tf.Tensor]
-
-
-class MicroBatchLoss:
-    """How the trainer forms one micro-batch's loss, for an engine that runs
-    the forward and backward passes itself (`PipelineStages`): the same
-    scaling, counters and regularization as `Trainer._micro_batch_gradients`."""
-
-    def __init__(self, trainer: "Trainer"):
-        self._trainer = trainer
-        self.micro_batches = trainer.train_config.accum_steps
-        self.variables = trainer.model.trainable_variables
-        self._final = True
-
-    def loss(self, y, y_pred, weight):
-        """(the micro-batch's share of the global loss, its counters, whether
-        that share is final: False when the divisor depends on the data and
-        the gradients are rescaled after the sum, `LocalGradients`)."""
-        loss, counters, global_divisor = self._trainer._loss_and_counters(y, y_pred, weight)
-        self._final = bool(global_divisor)
-        return loss, counters, self._final
-
-    def regularization(self, losses):
-        """A micro-batch's share of regularization losses `losses`."""
-        return self._trainer._regularization_share(losses)
-
-    def scale(self, loss):
-        """The loss as differentiated (scaled by a mixed_float16 loss scale)."""
-        return self._trainer.optimizer.scale_loss(loss)
-
-    def provisional_divisor(self):
-        """`LocalGradients.provisional_divisor` for the losses formed so far."""
-        return None if self._final else tf.constant(
-            float(self._trainer.global_batch_size), tf.float32)
+from tfdist.observe.totals import LOSS_DIVISOR, LOSS_NUMERATOR, METRICS, LoopTotals
 
 
 def _dense(grads) -> list:
@@ -118,7 +66,7 @@ def total_steps(train_config, spec) -> int:
     return train_config.epochs * max(1, spec.train_examples // train_config.global_batch_size)
 
 
-class Trainer:
+class Trainer(LocalSGDSteps):
     """The in-graph part of training `model` under `strategy` (see module doc)."""
 
     def __init__(self, *, config, strategy: Strategy, model: keras.Model,
@@ -143,11 +91,10 @@ class Trainer:
         self.pipeline = capability(strategy, PipelineStages)
         # Across processes a pipeline worker updates only its stages' variables
         # (`PipelineStages.splits_update`): it reduces, clips and applies those,
-        # and holds only those; the chief gathers the rest for a checkpoint (`share_stages`).
+        # and holds only those; the chief gathers the rest for a checkpoint (`gather_state`).
         self.split_update = bool(self.pipeline and self.pipeline.splits_update)
         self.updated_variables = (self.pipeline.updated_variables(model.trainable_variables)
                                   if self.split_update else model.trainable_variables)
-        self._gathered = False   # the chief holds every stage (`share_stages`)
         with strategy.scope():
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -208,55 +155,32 @@ class Trainer:
             else None
         with _traced_without_autograph():
             result = self._train_loop(iterator, tf.constant(num_steps), measure_agreement, key)
-        self._gathered = False
         return result if isinstance(result, LoopTotals) else LoopTotals.from_tensors(result)
 
-    def share_stages(self) -> None:
-        """Where each process updates and holds only its stages (`split_update`):
-        the chief takes every variable and optimizer slot from its stage's
-        owner, so it holds the whole trained model; the other processes keep
-        their stages only. Called by every process before a checkpoint and at
-        the end of training; a no-op when the chief has it already. Made only
-        then, not after every loop: it moves the whole model and its slots."""
-        if self.split_update and not self._gathered:
-            self.pipeline.gather_stages(self._owned_state())
-            self._gathered = True
+    @property
+    def training_state(self) -> TrainingState:
+        """What this run trains and keeps, for the engine's lifecycle hooks."""
+        return TrainingState(self.state_variables, self._owned_state, self.step)
 
-    def release_stages(self) -> None:
-        """After `share_stages` (a checkpoint written): the chief frees the other
-        stages again."""
-        if self.split_update:
-            self.pipeline.release_others(self._owned_state())
-            self._gathered = False
+    def gather_state(self) -> None:
+        """Before a checkpoint and at the end of training: the chief holds the
+        whole state (`Strategy.gather_state`; engines that split it across
+        processes move it, only then: it moves the whole model and its slots)."""
+        self.strategy.gather_state(self.training_state)
 
-    def hold_whole_model(self) -> None:
+    def release_state(self) -> None:
+        """After a checkpoint is written: undo `gather_state`."""
+        self.strategy.release_state(self.training_state)
+
+    def hold_state(self) -> None:
         """Before a restore (which writes every variable): storage for all of
-        them again, in this process (no collective)."""
-        if self.split_update:
-            self.pipeline.materialize(self._owned_state())
-            self._gathered = False
+        it in this process (no collective)."""
+        self.strategy.hold_state(self.training_state)
 
     def broadcast_state(self, restored: bool) -> None:
         """Every replica starts from the chief's state (`restored`: whether this
-        process restored a checkpoint). Where `split_update`, each process
-        takes only its stages' weights from the chief, point to point (and
-        their optimizer slots after a restore; a fresh run's are the same
-        initial values everywhere), then frees the other stages; the rest
-        (BatchNorm statistics, counters, the step) is broadcast as usual. A
-        broadcast of the whole model would hold several whole-model tensors
-        in every process at once (a 130M-parameter mlp's stage processes
-        peaked at 1.5x a whole-model process's memory)."""
-        if not self.split_update:
-            self.strategy.broadcast_variables(self.state_variables)
-            return
-        owned = self._owned_state()
-        staged = {id(v) for v, _ in owned}
-        if not self.strategy.any_worker(restored):
-            owned = [(v, owner) for v, owner in owned if v is owner]
-        self.pipeline.scatter_stages(owned)
-        self.strategy.broadcast_variables([v for v in self.state_variables
-                                           if id(v) not in staged])
-        self.release_stages()
+        process restored a checkpoint)."""
+        self.strategy.broadcast_state(self.training_state, restored)
 
     def evaluate_counters(self, iterator, num_steps: int):
         """Summed loss and metric counters over `num_steps` evaluation batches."""
@@ -454,46 +378,6 @@ class Trainer:
             lambda g: self.optimizer.apply(g, variables), grads)
         return out
 
-    def _replica_local_step(self, batch, report: bool = False,
-                            measure_agreement: bool = False) -> dict:
-        """One local SGD step: this replica's optimizer on this replica's own
-        gradient (its share of the loss, scaled to the mean over its own
-        examples); only the counters cross replicas (a few floats), so that
-        metrics and the non-finite check agree everywhere."""
-        del measure_agreement   # refused with --sync_every (config)
-        x, y, weight = batch
-        local = self._gradients_fn(x, y, weight)
-        counters = self.strategy.all_reduce_sum([local.counters])[0]
-        copies = float(self.strategy.step_copies)
-        if local.provisional_divisor is None:   # scaled by 1/(copies x this replica's divisor)
-            data = [g * copies for g in local.data]
-        else:
-            factor = tf.math.divide_no_nan(local.provisional_divisor,
-                                           local.counters[LOSS_DIVISOR])
-            data = [g * tf.cast(factor, g.dtype) for g in local.data]
-        if local.regularization:
-            data = [g + r * copies for g, r in zip(data, local.regularization)]
-        out = {"counters": counters, "grad_norm": tf.zeros([])}
-        if report:   # this replica's gradient (replica 0's is reported)
-            norm = tf.linalg.global_norm(data)
-            scale = Precision.dynamic_scale(self.optimizer)
-            out["grad_norm"] = norm if scale is None else norm / tf.cast(scale, tf.float32)
-        variables = self.model.trainable_variables
-        nonfinite.apply_unless_nonfinite(
-            self.strategy, self.train_config.on_nonfinite, counters,
-            lambda g: self.optimizer.apply(g, variables), data)
-        return out
-
-    def _average_weights(self) -> None:
-        """Local SGD's synchronisation: every replica's weights set to their
-        mean (one all-reduce of the weights; assigned in cross-replica
-        context, once for every copy)."""
-        variables = self.model.trainable_variables
-        summed = self.strategy.run(lambda: self.strategy.all_reduce_sum(
-            [tf.identity(v.value) for v in variables]))
-        for variable, total in zip(variables, summed):
-            variable.assign(total / tf.cast(self.strategy.step_copies, total.dtype))
-
     def _replica_agreement(self, local, summed):
         """Cosine similarity of this replica's gradient with the cross-replica sum
         (the mean's direction), gathered from every replica: one extra small sum,
@@ -591,34 +475,6 @@ class Trainer:
         counters, bad, first_bad = tally
         return {"counters": counters, "grad_norm": last["grad_norm"], "nonfinite": bad,
                 "first_nonfinite": first_bad}
-
-    def _local_sgd_loop_fn(self, iterator, num_steps, measure_agreement: bool,
-                           key=None) -> dict:
-        """`_train_loop_fn` for local SGD: groups of `sync_every` local steps,
-        each followed by the weights' average; the loop ends with one (the
-        controller ends loops only where an average is due)."""
-        del measure_agreement, key
-        every = self.sync_every
-        step = self._loop_step(iterator)
-
-        def group(i, tally):
-            end = tf.minimum(i + every, num_steps)
-            i, tally = tf.while_loop(lambda j, _: j < end, step, (i, tally),
-                                     parallel_iterations=1)
-            self._average_weights()
-            return i, tally
-
-        # Whole groups, then the last group's steps, the last one traced apart
-        # to report the gradient norm (as `_train_loop_fn`).
-        last_group = ((num_steps - 1) // every) * every
-        i, tally = tf.while_loop(lambda i, _: i < last_group, group,
-                                 (tf.constant(0), nonfinite.tally(self.counters_size)),
-                                 parallel_iterations=1)
-        _, tally = tf.while_loop(lambda j, _: j < num_steps - 1, step, (i, tally),
-                                 parallel_iterations=1)
-        last = self.strategy.run(self._step_fn, self.strategy.next_batch(iterator), True)
-        self._average_weights()
-        return self._end_loop(tally, last, num_steps)
 
     def _eval_loop_fn(self, iterator, num_steps):
         def step(i, totals):

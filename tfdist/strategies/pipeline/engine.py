@@ -16,7 +16,7 @@ from tfdist import cluster, compat
 from tfdist.errors import UsageError, first_line
 from tfdist.pipeline import schedule as schedule_lib
 from tfdist.pipeline import split as split_lib
-from tfdist.strategies.capabilities import PipelineStages
+from tfdist.strategies.capabilities import LocalGradients, PipelineStages
 from tfdist.strategies.multi_worker import MultiWorkerStrategy
 from tfdist.strategies.pipeline import step
 from tfdist.strategies.pipeline.processes import StagesAcrossProcesses
@@ -27,6 +27,9 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
     processes of a cluster (one stage per process)."""
 
     name = "pipeline"
+    # Each stage's gradients are reduced among its replicas in the stage's own
+    # step: no per-replica compression or local SGD (fp16/bf16 casts work).
+    replica_local_state = False
     _timeline = None   # TFDIST_PIPELINE_TIMELINE's recording (`_prepare_timeline`)
     supports_xla = False
     supports_xla_reason = ("a pipeline's stages run on different devices, and one XLA "
@@ -121,12 +124,6 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
                 f"--global_batch_size={tc.global_batch_size} must be divisible by pipeline "
                 f"replicas ({self.pipeline_replicas}) x --microbatches ({tc.accum_steps}) "
                 f"= {parts}; e.g. {max(parts, tc.global_batch_size // parts * parts)}")
-        if tc.grad_compression in ("powersgd", "topk") or tc.sync_every:
-            what = (f"--sync_every={tc.sync_every}" if tc.sync_every
-                    else f"--grad_compression={tc.grad_compression}")
-            raise UsageError(f"{what}: --strategy=pipeline reduces each stage's gradients "
-                             "among that stage's replicas in its own step; it has no "
-                             "per-replica compression or local SGD (fp16/bf16 casts work)")
         if tc.reduce_bucket_mb:
             raise UsageError(f"--reduce_bucket_mb={tc.reduce_bucket_mb}: --strategy=pipeline "
                              "makes one reduction per update; use --reduce_bucket_mb=0")
@@ -265,7 +262,6 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         """This process's stages' gradients, in the order of
         `updated_variables(losses.variables)`; in one process, every stage's,
         summed over its pipeline replicas."""
-        from tfdist.training.trainer import LocalGradients
         m = losses.micro_batches
         replicas = 1 if self.processes else self.pipeline_replicas
         parts = tf.nest.map_structure(

@@ -24,6 +24,50 @@ class StagesAcrossProcesses:
     `replica`, `_held`, `_released`, `_stage_models`, ...). In one process
     each is the identity or does as without stages."""
 
+    _gathered_at = None   # the step the chief last gathered every stage at
+
+    # -- lifecycle hooks (`Strategy`): the stages onto the chief and back ----------
+    def _step_now(self, state) -> int:
+        return int(self.to_host(state.step).numpy())
+
+    def gather_state(self, state) -> None:
+        """The chief takes every variable and optimizer slot from its stage's
+        owner, so it holds the whole trained model; the other processes keep
+        their stages only. Once per step: it moves the whole model and slots."""
+        if self.processes and self._gathered_at != self._step_now(state):
+            self.gather_stages(state.owned())
+            self._gathered_at = self._step_now(state)
+
+    def release_state(self, state) -> None:
+        """After a checkpoint: the chief frees the other stages again."""
+        if self.processes:
+            self.release_others(state.owned())
+            self._gathered_at = None
+
+    def hold_state(self, state) -> None:
+        if self.processes:
+            self.materialize(state.owned())
+            self._gathered_at = None
+
+    def broadcast_state(self, state, restored: bool) -> None:
+        """Each process takes only its stages' weights from the chief, point to
+        point (and their optimizer slots after a restore; a fresh run's are
+        the same initial values everywhere), then frees the other stages; the
+        rest (BatchNorm statistics, counters, the step) is broadcast as usual.
+        A broadcast of the whole model would hold several whole-model tensors
+        in every process at once (a 130M-parameter mlp's stage processes
+        peaked at 1.5x a whole-model process's memory)."""
+        if not self.processes:
+            super().broadcast_state(state, restored)
+            return
+        owned = state.owned()
+        staged = {id(v) for v, _ in owned}
+        if not self.any_worker(restored):
+            owned = [(v, owner) for v, owner in owned if v is owner]
+        self.scatter_stages(owned)
+        self.broadcast_variables([v for v in state.variables if id(v) not in staged])
+        self.release_state(state)
+
     # -- the update, across processes: each worker its stage's ---------------------
     @property
     def splits_update(self) -> bool:
