@@ -386,6 +386,22 @@ SLEEPS = ("import json, os, time; idx = json.loads(os.environ['TF_CONFIG'])['tas
           "flush=True); time.sleep(600)")
 
 
+def _readable_copy_of_the_launcher() -> str:
+    """The launcher package copied where `nobody` can read it: the checkout
+    may sit in a directory private to its owner (a `mktemp -d` clone)."""
+    import tempfile
+    root = tempfile.mkdtemp(prefix="tfdist-launch-nobody-")
+    os.chmod(root, 0o755)
+    launcher = os.path.join(root, "tfdist_launch")
+    shutil.copytree(os.path.join(REPO, "launch", "tfdist_launch"), launcher,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o755)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o644)
+    return launcher
+
+
 @pytest.mark.timeout(40)
 def test_an_unprivileged_user_gets_a_user_namespace_and_sigterm_still_stops_all():
     """As `nobody`: the launcher makes a user namespace owning the network one
@@ -396,7 +412,7 @@ def test_an_unprivileged_user_gets_a_user_namespace_and_sigterm_still_stops_all(
     python = _python_for_nobody()
     if python is None:
         pytest.skip("no Python interpreter here that user nobody may run")
-    launcher = os.path.join(REPO, "launch", "tfdist_launch")   # the package, run as a directory
+    launcher = _readable_copy_of_the_launcher()   # the package, run as a directory
     proc = subprocess.Popen(AS_NOBODY + [python, "-I", launcher, "--workers=2", "--grace_s=5",
                                          "--", python, "-c", SLEEPS],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
@@ -406,6 +422,7 @@ def test_an_unprivileged_user_gets_a_user_namespace_and_sigterm_still_stops_all(
         out, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
+        shutil.rmtree(os.path.dirname(launcher), ignore_errors=True)
     warning, _, rest = cluster_line(err.splitlines()[0])
     if warning:
         pytest.skip(f"this kernel refuses unprivileged user namespaces: {rest}")
