@@ -146,7 +146,7 @@ def wait_for_horovod_build() -> None:
 # Slurm jobs; alphabetically it would come last) also wants Horovod built.
 # (xdist itself then sends the files with the most tests first, so one-test
 # files run last: the "does it fit" test, 100 s of processes, ran alone at the
-# end as test_fits.py, so it now leads tests/test_zero.py. Measured, issue 21: keeping this order
+# end as test_fits.py, so it now leads tests/test_zero.py. Measured: keeping this order
 # instead (--no-loadscope-reorder, the longest multi-process files first) ran
 # every cluster at the same time as another and made the suite slower, 1158 s
 # against 1040 s, with 2050 against 1855 CPU-seconds: two clusters at once on

@@ -1,4 +1,4 @@
-"""The pipeline engine (issue 22) on virtual CPU devices: one update equals
+"""The pipeline engine on virtual CPU devices: one update equals
 gradient accumulation of the same micro-batches on one device, stages hold
 their own variables and slots, checkpoints are whole, bad input is one line.
 

@@ -1,4 +1,4 @@
-"""The pipeline engine (issue 22) with its stages in processes: one
+"""The pipeline engine with its stages in processes: one
 tfdist-launch cluster of 4 workers (tests/test_pipeline.py has the engine in
 one process, and the tolerance rules)."""
 

@@ -3,9 +3,9 @@
 In-process, on the 4 logical CPUs conftest configures, with the cases,
 references and tolerance rules of `tests/test_dtensor.py` (a file of its own
 so the suite's two workers can run it beside that one); first, the "does it
-fit" proof in capped processes (below). That proof was a file of its own until
-issue 21: xdist sends the files with the fewest tests last, so its 100 s of
-six processes always ran alone at the suite's end.
+fit" proof in capped processes (below). It is not a file of its own because
+xdist sends the files with the fewest tests last, so its 100 s of six
+processes would run alone at the suite's end.
 """
 
 import dataclasses

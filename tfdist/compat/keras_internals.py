@@ -344,7 +344,7 @@ def move_variable(variable, device: str) -> None:
 
     What: a Keras 3 `Variable` on the TensorFlow backend keeps its storage, a
     `tf.Variable`, in `_value`, and `_initialize(value)` adopts a given
-    `tf.Variable` as that storage. Why: pipeline stages (issue 22) must hold
+    `tf.Variable` as that storage. Why: pipeline stages must hold
     their layers' variables on their own device, but a functional model's
     variables are created when it is built, before the model can be split
     (the split reads the built graph), and Keras has no public way to place a

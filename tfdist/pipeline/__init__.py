@@ -1,1 +1,1 @@
-"""Pipeline parallelism (issue 22): models split into stages (`split`)."""
+"""Pipeline parallelism: models split into stages (`split`)."""

@@ -1,4 +1,4 @@
-"""Pipeline schedules: what each stage does, in which order (issue 22).
+"""Pipeline schedules: what each stage does, in which order.
 
 An item is ("F", i) or ("B", i): the forward or the backward pass of
 micro-batch i on one stage. A stage runs its items in its schedule's order;

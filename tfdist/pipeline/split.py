@@ -1,4 +1,4 @@
-"""Splitting a Keras functional model into pipeline stages (issue 22).
+"""Splitting a Keras functional model into pipeline stages.
 
 A model splits where its graph narrows to one tensor: after layer k of the
 model's layers in graph order, if exactly one tensor made by the model's

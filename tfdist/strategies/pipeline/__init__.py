@@ -1,4 +1,4 @@
-"""`pipeline`: pipeline parallelism over local devices or processes (issue 22).
+"""`pipeline`: pipeline parallelism over local devices or processes.
 
 The model is split into --pipeline_stages stages (`tfdist.pipeline.split`:
 balanced by FLOPs over its blocks, or at --pipeline_split's layers); stage s
