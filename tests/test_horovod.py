@@ -454,7 +454,8 @@ def test_horovod_checkpoint_restores_under_default_and_mirrored(background, earl
     result = background.result("checkpoint")   # HOROVODRUN tfdist-train _checkpoint_args
     assert result.returncode == 0, result.stderr[-3000:]
     assert checkpointing.saved_steps(model_dir) == [20]
-    assert sorted(os.listdir(model_dir)) == ["checkpoints", "run.json", "summary.json", "tensorboard"]
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "run.cfg", "run.json", "summary.json",
+                                           "tensorboard"]
     with open(os.path.join(model_dir, "summary.json")) as f:
         summary = json.load(f)
     # fp16 gradients on the wire: half of the float32 parameter bytes.

@@ -268,7 +268,8 @@ def test_killed_worker_stops_everything_and_a_restart_resumes_and_finishes_exact
     assert summary["steps"] == RESTART_STEPS and summary["workers"] == 2
     # none lost or repeated
     assert checkpointing.saved_steps(model_dir) == list(range(20, RESTART_STEPS + 1, 20))
-    assert sorted(os.listdir(model_dir)) == ["checkpoints", "run.json", "summary.json", "tensorboard"]
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "run.cfg", "run.json", "summary.json",
+                                           "tensorboard"]
 
 
 def _workers_train(launcher, engine, out_dir, initial, steps, **train):
