@@ -1,8 +1,8 @@
 """The bundled TFDS builders prepare offline, load, shard, repeat, and teach.
 
-Each dataset is prepared once per module run for the loading and content
-checks, and once more into a fresh directory to show that preparation is
-deterministic down to the bytes of every record file.
+Each dataset is prepared once per test run (the shared data_dir) for the
+loading and content checks, and once more into a fresh directory to show
+that preparation is deterministic down to the bytes of every record file.
 """
 
 from __future__ import annotations
@@ -22,17 +22,18 @@ def _prepare(name, data_dir):
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """Maps a dataset name to its data_dir, preparing each once per module."""
-    data_dirs = {}
+def prepared(data_dir):
+    """Maps a dataset name to the run's shared data_dir, with the dataset
+    prepared there (once per test run, as every user of it does: tfdist's
+    own preparation, under its lock)."""
+    from tfdist.config import DataConfig
+    from tfdist.data import tfds_inputs
 
-    def data_dir(name):
-        if name not in data_dirs:
-            data_dirs[name] = tmp_path_factory.mktemp(name)
-            _prepare(name, data_dirs[name])
-        return data_dirs[name]
+    def prepared_in(name):
+        tfds_inputs.load(DataConfig(dataset=name, data_dir=data_dir))
+        return data_dir
 
-    return data_dir
+    return prepared_in
 
 
 def _split_numpy(name, data_dir, split):
