@@ -123,19 +123,19 @@ def _one_length(values) -> bool:
 
 
 def _value(field: dataclasses.Field, holder):
-    """The field's value from its flag's parsed value."""
-    value, name = holder.value, holder.name
+    """The field's value from its flag's parsed value, as declared: a list's
+    items of their type, an integer enum's choice, the value standing for None."""
+    value, opt = holder.value, config_lib.declaration(field)
     if str(field.type) == "tuple":
-        if name == "profile_steps":
-            try:
-                return tuple(int(step) for step in value)
-            except ValueError:
-                raise UsageError(f"--profile_steps={','.join(value)} must be two step "
-                                 "numbers A,B, e.g. 20,25") from None
-        return tuple(value)
-    if config_lib.declaration(field).choices and isinstance(field.default, int):
+        try:
+            return tuple(opt.item(item) for item in value)
+        except ValueError:
+            raise UsageError(f"--{holder.name}={','.join(value)}: each item must be "
+                             f"{'an integer' if opt.item is int else opt.item.__name__}"
+                             ) from None
+    if opt.choices and isinstance(field.default, int):
         return int(value)
-    if name == "virtual_devices" and value == 0:   # 0: leave the devices as they are
+    if opt.cli_none is not None and value == opt.cli_none:
         return None
     return value
 

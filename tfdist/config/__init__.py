@@ -61,14 +61,15 @@ def _flag_value(field: dataclasses.Field, value) -> str:
 def as_flags(config: RunConfig) -> list[str]:
     """`config` as tfdist-train flags (`--name=value`), every option spelled
     out, so the run replays the same under later defaults. An option left
-    unset (None) is omitted, except `virtual_devices`: 0 on the command line."""
+    unset (None) is omitted, or given its declared command-line stand-in for
+    None (`virtual_devices`: 0)."""
     out = []
     for part, field in options():
         value = getattr(getattr(config, part), field.name)
         if value is None:
-            if field.name != "virtual_devices":
+            value = declaration(field).cli_none
+            if value is None:
                 continue
-            value = 0
         out.append(f"--{flag_name(field)}={_flag_value(field, value)}")
     return out
 

@@ -48,7 +48,7 @@ class StrategyConfig:
     # None: leave the devices of a process that may already have started
     # TensorFlow alone; tfdist-train's default is 2 (0 on its command line: None).
     virtual_devices: Optional[int] = option(
-        None, lower=0, check=positive, cli_default=2, group=ENGINE,
+        None, lower=0, check=positive, cli_default=2, cli_none=0, group=ENGINE,
         help="On a host without GPUs, split the CPU into this many logical devices so "
              "multi-device strategies run for real; 0 leaves the devices as they are.")
     collective: str = option(

@@ -52,6 +52,8 @@ class Option:
     math: bool = False                  # changing it changes what is computed
     cli_default: Any = SAME             # the flag's default, where it is not the API's
     registry: Optional[str] = None      # "strategy" or "model": a name its registry checks
+    item: type = str                    # a list option's item type (on the command line)
+    cli_none: Any = None                # the command-line value that stands for None
 
 
 def option(default, *, help: str, group: str, **declared) -> dataclasses.Field:

@@ -148,7 +148,7 @@ class TrainConfig:
              "update; the cross-replica sum stays outside XLA), off, or auto (picked by "
              "--precision and the CPU's ISA; the start-up log says what it chose).")
     profile_steps: tuple = option(
-        (), check=_profile_steps, group=SPEED,
+        (), check=_profile_steps, item=int, group=SPEED,
         help="Capture a TensorFlow profiler trace of global steps A,B (inclusive) into "
              "model_dir/tensorboard (TensorBoard's profile tab); needs --model_dir.")
     profile_all_ranks: bool = option(
