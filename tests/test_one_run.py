@@ -15,40 +15,25 @@ them by 1e-2 or more, as the controls show).
 
 import os
 import shutil
+import sys
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfdist
-from tfdist.data.spec import DatasetSpec
 
-SPEC = DatasetSpec(name="user_regression", kind="image", input_shape=(8,), num_classes=4,
-                   train_examples=96, eval_examples=16)
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "conformance"))
+import resume_script  # noqa: E402  (the user's script of `make resume-matrix`)
+
 STEPS, RESUME_AT, BATCH = 6, 2, 16
 TOLERANCE = 1e-5
-# A layout for the 2x2 mesh: the tower's kernels split on `model`.
-RULES = [(r"block\d_(up|down)/kernel", (None, "model")), (r"head/kernel", (None, "model"))]
-
-
-def user_model(spec):
-    inputs = keras.Input(spec.input_shape, name="features")
-    x = keras.layers.Dense(16, name="stem")(inputs)
-    for i in range(2):
-        y = keras.layers.Dense(16, activation="gelu", name=f"block{i}_up")(x)
-        y = keras.layers.Dense(16, name=f"block{i}_down")(y)
-        x = keras.layers.LayerNormalization(name=f"block{i}_norm")(keras.layers.Add()([x, y]))
-    return keras.Model(inputs, keras.layers.Dense(spec.num_classes, name="head")(x))
-
-
-def dataset_fn(split, context):
-    rng = np.random.default_rng(0 if split == "train" else 1)
-    n = SPEC.train_examples if split == "train" else SPEC.eval_examples
-    x = rng.normal(size=(n, 8)).astype(np.float32)
-    y = (x[:, :4] * 2 - x[:, 4:]).astype(np.float32)
-    weight = rng.uniform(0.2, 1.0, size=n).astype(np.float32)
-    return tfdist.shard(tf.data.Dataset.from_tensor_slices((x, y, weight)), context)
+# The user's model, data and 2x2 layout rules: those of the user's script
+# the resume matrix runs (`make resume-matrix`).
+user_model, dataset_fn, SPEC, RULES = (resume_script.model_fn, resume_script.dataset_fn,
+                                       resume_script.SPEC, resume_script.RULES)
 
 
 ENGINES = {
