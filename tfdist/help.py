@@ -264,13 +264,12 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def _field_of(name: str):
-    """(part class name, field, declaration) of flag `name`, or None."""
+def _fields_by_flag() -> dict:
+    """{flag name: (part class name, field, declaration)} of every option."""
     from tfdist import config as config_lib
-    for part, field in config_lib.options():
-        if config_lib.flag_name(field) == name:
-            return config_lib.PART_NAMES[part].__name__, field, config_lib.declaration(field)
-    return None
+    return {config_lib.flag_name(field): (config_lib.PART_NAMES[part].__name__, field,
+                                          config_lib.declaration(field))
+            for part, field in config_lib.options()}
 
 
 def markdown_engines() -> list[str]:
@@ -301,13 +300,14 @@ def with_engine_table(readme: str) -> str:
 def markdown_reference() -> str:
     """The engines and every tfdist-train flag, by help group, as Markdown."""
     choices = _registry_choices()
+    declared = _fields_by_flag()
     out = [REFERENCE_HEADER, *markdown_engines()]
     for title, group in sections():
         out += [f"## {title[0].upper()}{title[1:]}", "",
                 "| Flag | Default | Valid | Read by | Math | Description |",
                 "|---|---|---|---|---|---|"]
         for flag in group:
-            found = _field_of(flag.name)
+            found = declared.get(flag.name)
             valid = (", ".join(choices[flag.name]) if flag.name in choices else
                      ", ".join(flag.parser.enum_values)
                      if isinstance(flag.parser, flags.EnumParser) else _valid(flag))
@@ -323,7 +323,7 @@ def markdown_reference() -> str:
                 if field.name != flag.name:
                     text += f" (`{part}.{field.name}`)"
             else:
-                engines, text = "command line only", text
+                engines = "command line only"
             out.append(f"| `--{flag.name}` | `{_cell(_default(flag))}` | {_cell(valid)} | "
                        f"{_cell(engines)} | {math} | {_cell(text)} |")
         out.append("")

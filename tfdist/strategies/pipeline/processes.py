@@ -27,16 +27,16 @@ class StagesAcrossProcesses:
     _gathered_at = None   # the step the chief last gathered every stage at
 
     # -- lifecycle hooks (`Strategy`): the stages onto the chief and back ----------
-    def _step_now(self, state) -> int:
-        return int(self.to_host(state.step).numpy())
-
     def gather_state(self, state) -> None:
         """The chief takes every variable and optimizer slot from its stage's
         owner, so it holds the whole trained model; the other processes keep
         their stages only. Once per step: it moves the whole model and slots."""
-        if self.processes and self._gathered_at != self._step_now(state):
+        if not self.processes:
+            return
+        step = int(self.to_host(state.step).numpy())
+        if self._gathered_at != step:
             self.gather_stages(state.owned())
-            self._gathered_at = self._step_now(state)
+            self._gathered_at = step
 
     def release_state(self, state) -> None:
         """After a checkpoint: the chief frees the other stages again."""
