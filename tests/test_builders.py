@@ -1,8 +1,10 @@
 """The bundled TFDS builders prepare offline, load, shard, repeat, and teach.
 
-Each dataset is prepared once per test run (the shared data_dir) for the
-loading and content checks, and once more into a fresh directory to show
-that preparation is deterministic down to the bytes of every record file.
+Each dataset is prepared once per module run for the loading and content
+checks, and once more into a fresh directory to show that preparation is
+deterministic down to the bytes of every record file. (Within one process:
+preparations in two processes hold the same examples in the same order, but
+protobuf may serialize each example's two features in the other order.)
 """
 
 from __future__ import annotations
@@ -22,18 +24,17 @@ def _prepare(name, data_dir):
 
 
 @pytest.fixture(scope="module")
-def prepared(data_dir):
-    """Maps a dataset name to the run's shared data_dir, with the dataset
-    prepared there (once per test run, as every user of it does: tfdist's
-    own preparation, under its lock)."""
-    from tfdist.config import DataConfig
-    from tfdist.data import tfds_inputs
+def prepared(tmp_path_factory):
+    """Maps a dataset name to its data_dir, preparing each once per module."""
+    data_dirs = {}
 
-    def prepared_in(name):
-        tfds_inputs.load(DataConfig(dataset=name, data_dir=data_dir))
-        return data_dir
+    def data_dir(name):
+        if name not in data_dirs:
+            data_dirs[name] = tmp_path_factory.mktemp(name)
+            _prepare(name, data_dirs[name])
+        return data_dirs[name]
 
-    return prepared_in
+    return data_dir
 
 
 def _split_numpy(name, data_dir, split):
