@@ -44,7 +44,7 @@ def main(jobs):
     jobs = json.loads(jobs)
     if any("task" in json.loads(overrides) for *_, overrides in jobs):
         import test_tasks  # noqa: F401  (before any TensorFlow op: see above)
-    from tfdist.strategies.horovod import HorovodStrategy
+    from tfdist.strategies.horovod.engine import HorovodStrategy
     close = HorovodStrategy.close
     HorovodStrategy.close = lambda self: None   # see above
     for index, (name, out_dir, steps, overrides) in enumerate(jobs):

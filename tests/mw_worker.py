@@ -38,7 +38,7 @@ PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).asty
 def main(out_dir, strategy, steps, overrides="{}"):
     overrides = json.loads(overrides)
     if isinstance(overrides, list):
-        from tfdist.strategies.multi_worker import MultiWorkerStrategy
+        from tfdist.strategies.multi_worker.engine import MultiWorkerStrategy
 
         create = MultiWorkerStrategy._create
         run_dir = None

@@ -20,7 +20,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist import compat
 from tfdist.errors import first_line
-from tfdist.strategies import parameter_server
+from tfdist.strategies.parameter_server import engine as parameter_server
 
 CPUS = [d.name for d in tf.config.list_logical_devices("CPU")]
 ShardedVariable = tf.__internal__.distribute.ShardedVariable

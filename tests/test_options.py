@@ -109,3 +109,22 @@ def test_the_readme_engine_table_is_the_one_generated():
     # Control: a table that lacks an engine is rewritten.
     stale = readme.replace("| `pipeline` |", "| `pipe` |")
     assert help_lib.with_engine_table(stale) == readme
+
+
+def test_an_option_only_one_engine_reads_is_declared_in_that_engine():
+    """Engines own their options: a `StrategyConfig` field read by one engine
+    comes from `tfdist/strategies/<engine>/options.py`, and such a module
+    declares only its own engine's."""
+    owners = {}
+    for cls in reversed(config_lib.StrategyConfig.__mro__):
+        for name in vars(cls).get("__annotations__", {}):
+            owners[name] = cls.__module__
+    single = {}
+    for field in dataclasses.fields(config_lib.StrategyConfig):
+        engines = config_lib.declaration(field).engines
+        if len(engines) == 1:
+            single[field.name] = engines[0]
+            assert owners[field.name] == f"tfdist.strategies.{engines[0]}.options", field.name
+        else:
+            assert ".strategies." not in owners[field.name], field.name
+    assert {"mesh", "zero_stage", "pipeline_stages", "elastic", "ps_hosts"} <= set(single)

@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 from tfdist import cluster, slurm
 from tfdist.errors import UsageError
-from tfdist.strategies import horovod as horovod_strategy
+from tfdist.strategies.horovod import engine as horovod_strategy
 
 from conftest import BIN, REPO, wait_for_horovod_build
 

@@ -19,6 +19,7 @@ import difflib
 import functools
 import math
 import numbers
+import types
 from typing import Any, Callable, Optional
 
 from tfdist.errors import ConfigError
@@ -31,6 +32,7 @@ SEED_MAX = 2**32 - 1
 # time.sleep and TensorFlow's int64 microsecond timeouts deep inside a run.
 SECONDS_MAX = 7 * 24 * 3600
 
+ENGINE = "engine and cluster"
 SAME = "same as the API's"   # an option's command-line default, unless declared
 GROUPS = ("engine and cluster", "model and data", "training", "precision and speed",
           "slow network", "faults", "output")
@@ -152,6 +154,23 @@ def _unknown(cls, key: str, names: tuple) -> str:
 
 
 PARTS: list = []   # the declared parts, in the order they were declared
+
+
+def engine_options(*engines: str):
+    """Declare `cls` the options engines `engines` read: a frozen dataclass of
+    `option` fields, each marked as read by `engines` unless it names its
+    own. Each engine declares its options beside its adapter
+    (`tfdist/strategies/<engine>/options.py`); `StrategyConfig` inherits
+    them, so the Python API and the flags stay flat. Keyword-only, so the
+    shared fields keep their positions."""
+    def declare(cls):
+        for name, value in list(vars(cls).items()):
+            if isinstance(value, dataclasses.Field) and "option" in value.metadata:
+                opt = declaration(value)
+                value.metadata = types.MappingProxyType(
+                    {"option": dataclasses.replace(opt, engines=opt.engines or engines)})
+        return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    return declare
 
 
 def part(cls):

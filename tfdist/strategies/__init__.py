@@ -7,15 +7,18 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+from typing import TYPE_CHECKING
 
 from tfdist import cluster
-from tfdist.config import StrategyConfig
 from tfdist.errors import UsageError
 from tfdist.registry import Registry
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.records import (HOROVODRUN, ONE_OR_WORKERS, ONE_PROCESS, PS_CLUSTER,
                                        WORKERS, Engine)
 from tfdist.strategies import records as _engines
+
+if TYPE_CHECKING:   # tfdist.config imports the engines' option declarations
+    from tfdist.config import StrategyConfig
 
 _WORKERS = functools.partial(cluster.check_workers, required=True)
 _WORKERS_IF_ANY = functools.partial(cluster.check_workers, required=False)
@@ -26,17 +29,17 @@ BUILT_IN = (
            "one device: the reference every other engine is compared with"),
     Engine("mirrored", "tfdist.strategies.mirrored:MirroredStrategy",
            "data parallel over this process's devices (MirroredStrategy)"),
-    Engine("multi_worker", "tfdist.strategies.multi_worker:MultiWorkerStrategy",
+    Engine("multi_worker", "tfdist.strategies.multi_worker.engine:MultiWorkerStrategy",
            "data parallel over worker processes (MultiWorkerMirroredStrategy over "
            "TF_CONFIG, --worker_hosts or Slurm)", launch=WORKERS, cluster=_WORKERS,
            processes=2),
-    Engine("horovod", "tfdist.strategies.horovod:HorovodStrategy",
+    Engine("horovod", "tfdist.strategies.horovod.engine:HorovodStrategy",
            "data parallel over Horovod ranks under horovodrun (`make horovod` builds it)",
            launch=HOROVODRUN, processes=2),
     Engine("dtensor", "tfdist.strategies.dtensor.engine:DTensorStrategy",
            "tensor sharding over a --mesh with ZeRO stages 0-3, in one process or "
            "across workers", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY),
-    Engine("parameter_server", "tfdist.strategies.parameter_server:ParameterServerStrategy",
+    Engine("parameter_server", "tfdist.strategies.parameter_server.engine:ParameterServerStrategy",
            "asynchronous: workers update variables on parameter servers "
            "(ParameterServerStrategy; `tfdist-launch --workers=N --ps=P`)",
            launch=PS_CLUSTER, synchronous=False, cluster=cluster.check_ps, processes=3),

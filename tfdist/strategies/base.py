@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
-from tfdist.config import StrategyConfig
 from tfdist.errors import UsageError, first_line
 from tfdist.strategies.capabilities import ElasticMembership, ServingProcesses
+
+if TYPE_CHECKING:   # tfdist.config imports the engines' option declarations
+    from tfdist.config import StrategyConfig
 
 
 def by_dtype(tensors: Sequence, reduce: Callable) -> list:

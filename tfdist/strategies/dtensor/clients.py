@@ -13,7 +13,8 @@ from tensorflow.experimental import dtensor
 from tfdist import compat, sharding
 from tfdist.errors import UsageError
 from tfdist.observe import logs
-from tfdist.strategies import multi_worker, watchdog
+from tfdist.strategies import watchdog
+from tfdist.strategies.multi_worker import engine as multi_worker
 
 _runs_ended = 0   # multi-process runs ended in this process: their keys' names
 

@@ -18,7 +18,7 @@ from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import TensorSharding
 from tfdist.observe import hardware, logs
-from tfdist.strategies import multi_worker
+from tfdist.strategies.multi_worker import engine as multi_worker
 from tfdist.strategies.dtensor import clients
 from tfdist.strategies.dtensor import init as dtensor_init
 from tfdist.strategies.dtensor import ops as dtensor_ops

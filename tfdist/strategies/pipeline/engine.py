@@ -17,7 +17,7 @@ from tfdist.errors import UsageError, first_line
 from tfdist.pipeline import schedule as schedule_lib
 from tfdist.pipeline import split as split_lib
 from tfdist.strategies.capabilities import LocalGradients, PipelineStages
-from tfdist.strategies.multi_worker import MultiWorkerStrategy
+from tfdist.strategies.multi_worker.engine import MultiWorkerStrategy
 from tfdist.strategies.pipeline import step
 from tfdist.strategies.pipeline.processes import StagesAcrossProcesses
 

@@ -54,7 +54,7 @@ from tfdist.strategies import watchdog
 from tfdist.strategies.base import Strategy
 from tfdist.strategies.capabilities import ScheduledSteps, ServingProcesses
 from tfdist.strategies.tf_distribute import apply_if_merged, run_first_result
-from tfdist.strategies.multi_worker import _reason
+from tfdist.strategies.multi_worker.engine import _reason
 
 CHIEF_POLL_S = 1.0       # how often a server checks that the chief is still there
 CHIEF_GONE_PROBES = 3    # failed probes in a row that mean the chief has ended

@@ -1,0 +1,34 @@
+"""The options only `pipeline` reads (no TensorFlow)."""
+
+from __future__ import annotations
+
+from tfdist.config.options import ENGINE, engine_options, option, positive
+from tfdist.errors import ConfigError
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")   # tfdist.pipeline.schedule.SCHEDULES
+
+
+def _layer_names(name, value):
+    if isinstance(value, str) or not all(isinstance(n, str) and n for n in value):
+        raise ConfigError(f"{name}={value!r} must be a tuple of layer names, e.g. ('block_2',)")
+
+
+@engine_options("pipeline")
+class PipelineOptions:
+    pipeline_stages: int = option(
+        2, lower=1, check=positive, tunable=(2, 4), group=ENGINE,
+        help="pipeline: split the model into this many stages, one per device (with more "
+             "devices, a multiple of S: devices/S pipeline replicas); the split is balanced "
+             "by FLOPs over the model's blocks unless --pipeline_split names where stages "
+             "begin.")
+    pipeline_schedule: str = option(
+        "1f1b", choices=PIPELINE_SCHEDULES, tunable=PIPELINE_SCHEDULES, group=ENGINE,
+        help="pipeline: the order of each stage's forward and backward passes over the "
+             "--microbatches: 1f1b (one forward, one backward in turn: each stage holds at "
+             "most S micro-batches' activations) or gpipe (every forward, then every "
+             "backward: M).")
+    pipeline_split: tuple = option(
+        (), check=_layer_names, group=ENGINE,
+        help="pipeline: the layer names where stages 2..S begin (S-1 names, in model order; "
+             "each must begin a block, where one tensor crosses); default: balanced by "
+             "FLOPs.")
