@@ -78,7 +78,9 @@ def _after_start_up_cases(a_file, data_dir):
          "--powersgd_rank=9 is larger than the smaller dimension (8) of"),
         (["--strategy=dtensor", "--mesh=batch:2,model:1", "--sync_every=2",
           f"--data_dir={data_dir}"],
-         "--sync_every=2 does not apply to --strategy=dtensor"),
+         "--sync_every=2 needs replicas that each step on their own data and keep state of "
+         "their own; --strategy=dtensor has none (engines that do: default, mirrored, "
+         "multi_worker, horovod)"),
         (["--strategy=dtensor", "--mesh=batch:2,model:2", f"--data_dir={data_dir}"],
          "--mesh=batch:2,model:2 needs 4 devices but --virtual_devices=2; set "
          "--virtual_devices=4"),

@@ -231,8 +231,12 @@ def test_bad_settings_are_one_line_usage_errors(initial, train, expected):
 
 
 @pytest.mark.parametrize("train, expected", [
-    (dict(grad_compression="powersgd"), "DTensor reduces gradients inside"),
-    (dict(sync_every=2), "--sync_every=2 does not apply to --strategy=dtensor"),
+    (dict(grad_compression="powersgd"), "--grad_compression=powersgd needs replicas that "
+     "each step on their own data and keep state of their own; --strategy=dtensor has none "
+     "(engines that do: default, mirrored, multi_worker, horovod)"),
+    (dict(grad_compression="bf16"), "DTensor reduces gradients inside"),
+    (dict(sync_every=2), "--sync_every=2 needs replicas that each step on their own data "
+     "and keep state of their own; --strategy=dtensor has none"),
 ])
 def test_dtensor_refuses(train, expected):
     config = run_config("dtensor", width=WIDTH, **train)

@@ -86,16 +86,13 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
                 f"--grad_agreement_every={config.train.grad_agreement_every} needs per-replica "
                 "gradients, which --strategy=dtensor's single SPMD program does not have; "
                 "use --grad_agreement_every=0")
-        if config.train.grad_compression != "none":
+        # powersgd/topk and --sync_every need per-replica state: the generic
+        # capability check refuses them (`capabilities.ReplicaLocalState`).
+        if config.train.grad_compression in ("fp16", "bf16"):
             raise UsageError(
                 f"--grad_compression={config.train.grad_compression} does not apply to "
                 "--strategy=dtensor: DTensor reduces gradients inside its SPMD program, not "
                 "through an all-reduce tfdist could cast; use --grad_compression=none")
-        if config.train.sync_every:
-            raise UsageError(
-                f"--sync_every={config.train.sync_every} does not apply to --strategy=dtensor: "
-                "its one SPMD program holds one copy of the weights, with no per-replica "
-                "steps to average; use --sync_every=0")
 
     @property
     def num_replicas(self) -> int:
