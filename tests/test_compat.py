@@ -435,12 +435,13 @@ def test_coordination_key_value(monkeypatch):
     processes (used by tests/test_dtensor.py's and tests/test_slurm.py's
     2-process meshes); a TensorFlow without it is one line."""
     from tensorflow.python.eager import context
-    put, get = compat.coordination_key_value()
-    assert callable(put) and callable(get)
-    monkeypatch.delattr(context.Context, "get_config_key_value")
-    with pytest.raises(compat.UpstreamChanged) as raised:
-        compat.coordination_key_value()
-    assert_one_line_change(raised, "get_config_key_value")
+    assert all(map(callable, compat.coordination_key_value()))
+    for name in ("get_config_key_value", "delete_config_key_value"):
+        with monkeypatch.context() as patch:
+            patch.delattr(context.Context, name)
+            with pytest.raises(compat.UpstreamChanged) as raised:
+                compat.coordination_key_value()
+        assert_one_line_change(raised, name)
 
 
 # -- DTensor: stage 3's gathers ------------------------------------------------------

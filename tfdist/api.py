@@ -270,13 +270,8 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     keras.utils.set_random_seed(config.train.seed)
     with strategy.scope():
         with precision.policy_scope():
-            try:
-                model = model_fn(inputs.spec) if model_fn else models.build(config.model,
-                                                                             inputs.spec)
-            except Exception:
-                if strategy.usage_error is not None:   # e.g. a bad layout rule
-                    raise strategy.usage_error from None
-                raise
+            model = model_fn(inputs.spec) if model_fn else models.build(config.model,
+                                                                         inputs.spec)
         pipeline = capability(strategy, PipelineStages)
         if pipeline:   # stages on their devices, before the optimizer's slots are made
             pipeline.place_model(model, _example_signature(inputs))

@@ -63,10 +63,11 @@ def next_collective_key_base(strategy_class) -> None:
 
 
 def coordination_key_value():
-    """`(put, get)` on TensorFlow's coordination-service key-value store.
+    """`(put, get, delete)` on TensorFlow's coordination-service key-value store.
 
     What: `set_config_key_value(key, value)` and
-    `get_config_key_value(key, timeout_in_ms)` of the eager context
+    `get_config_key_value(key, timeout_in_ms)` and `delete_config_key_value(key)`
+    of the eager context
     (`tensorflow.python.eager.context.context()`), which DTensor's own
     multi-client set-up uses; `get` blocks until the key is set.
     Why: in a DTensor mesh across processes the process of client 0 hosts
@@ -84,7 +85,9 @@ def coordination_key_value():
     current = context.context()
     put = _require(current, "set_config_key_value", what.format("set_config_key_value"))
     get = _require(current, "get_config_key_value", what.format("get_config_key_value"))
-    return put, get
+    delete = _require(current, "delete_config_key_value",
+                      what.format("delete_config_key_value"))
+    return put, get, delete
 
 
 # -- parameter servers (BUILD_NOTES "ParameterServerStrategy with Keras 3") ----

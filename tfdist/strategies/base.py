@@ -97,10 +97,6 @@ class Strategy(abc.ABC):
         # Counts cross-replica reductions traced into step functions; tests use
         # it to prove one reduction per update (accumulation must not add more).
         self.reductions_traced = 0
-        # A UsageError raised inside a library call that may wrap it (Keras
-        # re-raises errors from variable creation in its own exception type);
-        # `tfdist.train` reports this one instead.
-        self.usage_error = None
         self._any_worker_fn = None   # traced on first use (see `any_worker`)
 
     # -- lifecycle ---------------------------------------------------------

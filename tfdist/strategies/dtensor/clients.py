@@ -16,7 +16,7 @@ from tfdist.observe import logs
 from tfdist.strategies import watchdog
 from tfdist.strategies.multi_worker import engine as multi_worker
 
-_runs_ended = 0   # multi-process runs ended in this process: their keys' names
+_ENDED = "tfdist/run-ended"
 
 
 def setup_clients(spec, config, size: int):
@@ -64,19 +64,22 @@ def end_of_run(spec, config) -> None:
     `compat.coordination_key_value`). Client 0 waits at most
     --collective_timeout_s, then leaves with a warning naming who was
     missing."""
-    global _runs_ended
     if spec is None or spec.num_workers <= 1:
         return
-    _runs_ended += 1   # every process makes its runs in the same order
-    put, get = compat.coordination_key_value()
-    prefix = f"tfdist/run-{_runs_ended}/ended"
+    put, get, delete = compat.coordination_key_value()
     if spec.worker_index:
-        put(f"{prefix}/{spec.worker_index}", "1")
+        key = f"{_ENDED}/{spec.worker_index}"
+        try:
+            put(key, "1")
+        except tf.errors.AlreadyExistsError:   # left by a run client 0 stopped waiting for
+            delete(key)
+            put(key, "1")
         return
     timeout_ms = int(config.collective_timeout_s * 1000)
     for peer in range(1, spec.num_workers):
         try:
-            get(f"{prefix}/{peer}", timeout_ms)
+            get(f"{_ENDED}/{peer}", timeout_ms)
+            delete(f"{_ENDED}/{peer}")   # the next run in these processes reports again
         except tf.errors.OpError:
             logging.warning("%s: %s did not report the end of the run within "
                             "--collective_timeout_s=%gs; leaving anyway",

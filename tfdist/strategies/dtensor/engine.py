@@ -23,7 +23,7 @@ from tfdist.strategies.dtensor import clients
 from tfdist.strategies.dtensor import init as dtensor_init
 from tfdist.strategies.dtensor import ops as dtensor_ops
 from tfdist.strategies.dtensor import updates as dtensor_updates
-from tfdist.strategies.dtensor.gather import _gathered_per_layer, _gathering
+from tfdist.strategies.dtensor.gather import Gathering
 from tfdist.strategies.dtensor.report import LayoutReport
 from tfdist.strategies.dtensor.variables import VariableCreation, _gather, _lay_out, _read
 
@@ -40,6 +40,7 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
         self.axes = dict(sharding.parse_mesh(config.mesh))
         self.mesh = None
         self._spec = None        # the cluster, when the mesh spans processes
+        self._refused = None     # a UsageError of variable creation (see `scope`)
         self._var_specs = {}     # model variable path -> (compute spec, stored spec)
         self._update_layouts = {}  # id(trainable variable) -> its update's layout
         self._var_layouts = {}     # id(trainable variable) -> its stored layout
@@ -47,6 +48,7 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
         self._predict_fns = {}   # (id(model), input structure) -> traced forward pass
         self._layer_names = set()  # the model's layers, to name one in a refusal
         self._initial_values = dtensor_init.ShardedInit(to_host=self.to_host)
+        self.gathering = Gathering()   # ZeRO-3: when reads gather (`compute_scope`)
 
     # -- lifecycle ---------------------------------------------------------
     def setup(self) -> None:
@@ -115,7 +117,7 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
 
     def prepare_model(self, model) -> None:
         """Under stage 3, each layer that owns a gathered variable itself gathers
-        its weights for its own computation only (`_gathered_per_layer`). Not a
+        its weights for its own computation only (`Gathering.per_layer`). Not a
         layer with non-trainable state (BatchNormalization): recomputing it in
         the backward pass would update its state twice; its weights are then
         gathered as any read is, and kept from the forward to the backward pass."""
@@ -130,7 +132,7 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
             own = [v for v in layer.weights if v.path.rsplit("/", 1)[0] == layer.path]
             if any(getattr(getattr(v, "value", None), "compute_layout", None) is not None
                    for v in own) and not layer.non_trainable_weights:
-                layer.call = _gathered_per_layer(layer, layer.call)
+                layer.call = self.gathering.per_layer(layer, layer.call)
 
     # Keras convolutions: DTensor computes them only with a replicated filter.
     _CONVOLUTIONS = tuple(getattr(keras.layers, name) for name in (
@@ -161,12 +163,9 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
         in here take their compute layout (see `MeshVariable`), and gradients
         of ops DTensor cannot lay out are taken with ops it can
         (`dtensor_ops`)."""
-        before, _gathering.active = _gathering.active, True
-        try:
-            with dtensor_ops.shardable_gradients(), compat.custom_gradients_on_tape():
-                yield
-        finally:
-            _gathering.active = before
+        with self.gathering.scope(), dtensor_ops.shardable_gradients(), \
+                compat.custom_gradients_on_tape():
+            yield
 
     def shard_gradients(self, grads, variables) -> list:
         """ZeRO-2: each gradient relayouted to its slots' layout as it leaves
@@ -182,8 +181,16 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
     def scope(self):
         # Not inside `dtensor.default_mesh`: there, variables skip the creator.
         compat.check_keras_variable_of()   # the creator needs Keras variables' paths
-        with tf.variable_creator_scope(self._creator):
-            yield
+        self._refused = None
+        try:
+            with tf.variable_creator_scope(self._creator):
+                yield
+        except Exception:
+            # Keras re-raises an error from variable creation in its own type:
+            # the user's error (e.g. a bad layout rule) is the creator's.
+            if self._refused is not None:
+                raise self._refused from None
+            raise
 
     def on_optimizer_built(self, optimizer, variables) -> None:
         """Slots follow their variables (split over `batch` too under ZeRO);

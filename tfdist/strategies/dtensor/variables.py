@@ -10,7 +10,6 @@ from tensorflow.experimental import dtensor
 
 from tfdist import compat, sharding
 from tfdist.errors import UsageError
-from tfdist.strategies.dtensor.gather import _gathering
 
 
 def _keras_path(initial_value, name: str) -> str:
@@ -89,16 +88,18 @@ class MeshVariable(dtensor.DVariable):
     def assign_sub(self, value, *args, **kwargs):
         return super().assign_sub(self._host_to_mesh(value), *args, **kwargs)
 
-    # Under --zero_stage=3, the layout its reads take inside `compute_scope`.
+    # Under --zero_stage=3, the layout its reads take inside `compute_scope`,
+    # and its strategy's `Gathering` (which says when that is).
     compute_layout = None
+    gathering = None
 
     def _read_variable_op(self, *args, **kwargs):
         value = super()._read_variable_op(*args, **kwargs)
-        if self.compute_layout is not None and _gathering.active:
+        if self.compute_layout is not None and self.gathering.active:
             # FSDP: all-gather for use; its gradient is the reduce-scatter
             # back to the stored layout. Read on every use, not kept.
-            if _gathering.after is not None:
-                value = value + tf.cast(_gathering.after, value.dtype)
+            if self.gathering.after is not None:
+                value = value + tf.cast(self.gathering.after, value.dtype)
             value = dtensor.relayout(value, self.compute_layout)
         return value
 
@@ -162,7 +163,7 @@ class VariableCreation:
             try:
                 spec, stored, kind = self._spec_for(path, shape)
             except UsageError as error:
-                self.usage_error = error
+                self._refused = error   # raised by `scope` over Keras' wrapping
                 raise
             if kind == "variable":
                 self._var_specs[path] = spec, stored
@@ -181,4 +182,5 @@ class VariableCreation:
                                 name=kwargs.get("name"), dtype=dtype)
         if kind == "variable" and stored != spec:
             variable.compute_layout = self._layout(spec)
+            variable.gathering = self.gathering
         return variable
