@@ -40,7 +40,7 @@ horovod: $(STAMP)
 # Debian's slurm-wlm and munge (installed when missing; root), started with its
 # state in $TFDIST_SLURM_DIR (default /tmp/tfdist-slurm); it prints the
 # SLURM_CONF to export. Stop it with `launch/slurm/local_slurm.sh stop`.
-# tests/test_slurm.py starts (and stops) its own.
+# tests/integration/test_slurm_runs.py starts (and stops) its own.
 slurm:
 	@launch/slurm/local_slurm.sh install
 	@launch/slurm/local_slurm.sh start
@@ -60,8 +60,9 @@ iproute2:
 test: $(STAMP) iproute2
 	@tests/run_suite.sh $(VENV)
 
+# The unit tests alone (tests/unit/: one process, no training run; about a minute).
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests -m 'not integration and not slow'
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/unit
 
 # Every benchmark, one after the other; each prints its rows as it measures
 # them and stays under ~10 minutes on a slow 2-core CPU (slow_link, ~19: two
@@ -104,7 +105,7 @@ resume-matrix: $(STAMP)
 
 # docs/reference/flags.md from the options' declarations (tfdist/config/) and
 # the engines' records, and README.md's engine table from the records;
-# tests/test_options.py fails when either is out of date.
+# tests/unit/test_options.py fails when either is out of date.
 reference: $(STAMP)
 	$(BIN)/python -c "from tfdist import help; print(help.markdown_reference(), end='')" \
 	    > docs/reference/flags.md

@@ -5,7 +5,7 @@ model, side by side, each in a fresh process.
     python bench/dtensor_init.py [--width=2880] [--depth=8] [--repeats=2]
 
 Each process builds the mlp WIDTH x DEPTH (the model of `bench/fits.py` and
-`tests/test_zero.py`'s "does it fit" proof) and Adam's slots under
+`tests/integration/test_zero.py`'s "does it fit" proof) and Adam's slots under
 `--strategy=dtensor --mesh=batch:4,model:1 --zero_stage=3` on 4 virtual CPUs
 (or under `default` for the one-device row), and prints the seconds it took
 and its peak resident memory (getrusage). "whole, then split" is the same
@@ -96,7 +96,7 @@ def main():
         f"{params * 4 / 2**30:.2f} GiB float32) and Adam's slots built under dtensor "
         "batch:4 ZeRO-3 on 4 virtual CPUs in one process, and under default; each a fresh "
         f"process, the median of {args.repeats} interleaved repeats. Every mode gives the "
-        "same initial weights for the same seed (tests/test_dtensor_init.py).")
+        "same initial weights for the same seed (tests/integration/test_dtensor_init.py).")
     common.finish("dtensor_init", "ZeRO-3 initial values: shard by shard", description, rows,
                   header, clock)
 

@@ -18,9 +18,9 @@ and optimizer state per parameter) is sized so that this state is at least
 Printed per run: exit, each process's peak resident memory (the summary's
 `peak_rss_bytes`, getrusage), the loss, and for each four-process run the
 largest difference of its final weights from the reference's with the count
-outside 1e-5 (the tolerance rules of tests/test_dtensor.py). Snapshots and
+outside 1e-5 (the tolerance rules of tests/integration/test_dtensor.py). Snapshots and
 checkpoints stay in --work_dir (a fresh temporary directory by default).
-Also printed into bench/results/fits.md. `tests/test_zero.py` runs the same
+Also printed into bench/results/fits.md. `tests/integration/test_zero.py` runs the same
 procedure at a scale the suite affords.
 """
 

@@ -7,6 +7,7 @@ mirrored runs use the first 2 (`virtual_devices=2`), DTensor meshes all 4.
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ if not os.environ.get("PYTEST_XDIST_WORKER"):
     _TEST_CACHE_DIR = os.environ["TFDIST_CACHE_DIR"] = tempfile.mkdtemp(prefix="tfdist-tests-")
 
 import pytest  # noqa: E402
+from absl import flags as absl_flags  # noqa: E402
 
 from tfdist import cluster, compat  # noqa: E402  (first: tfdist defers Keras's matplotlib)
 
@@ -34,8 +36,8 @@ cluster.configure_virtual_cpus(4)
 # DTensor reads its gather lowering once per process: keep its default gather
 # here (as a first DTensor run that is not stage 3 does). The collective
 # gather that a stage-3 run on a 1-D mesh picks is tested in processes of its
-# own (the "does it fit" test in tests/test_zero.py, the 2-process run of
-# tests/test_dtensor.py).
+# own (the "does it fit" test in tests/integration/test_zero.py, the 2-process run of
+# tests/integration/test_dtensor.py).
 compat.dtensor_fsdp_lowering({"batch": 2, "model": 2}, 0)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,10 +119,46 @@ def run_clis(arg_lists, *, timeout=300, envs=None):
             for args, r in zip(arg_lists, results)]
 
 
+def demo_config(*overrides):
+    """The RunConfig of configs/demo.cfg with `overrides` (flags) after it."""
+    from absl.testing import flagsaver
+    from tfdist import flags as tfdist_flags
+    with flagsaver.flagsaver():
+        absl_flags.FLAGS.unparse_flags()
+        absl_flags.FLAGS(["tfdist-train", f"--flagfile={os.path.join(REPO, 'configs/demo.cfg')}",
+                          *overrides])
+        return tfdist_flags.run_config()
+
+
+def free_ports(n):
+    """n ports free now on localhost (bound and released by this process)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port():
+    return free_ports(1)[0]
+
+
+@pytest.fixture(scope="session")
+def tfds_dir(tmp_path_factory):
+    """The TFDS test builders' data (tests/tfds_fixtures.py), once per worker."""
+    import tfds_fixtures
+    path = str(tmp_path_factory.mktemp("tfds_fixtures"))
+    tfds_fixtures.prepare_all(path)
+    return path
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "integration: starts real processes (slower)")
-    config.addinivalue_line("markers", "slow: in-process but long (accuracy runs, XLA "
-                                       "compiles); left out of `make unit`")
+    config.addinivalue_line("markers", "integration: a real training run (tests/integration/: "
+                                       "an engine in this process or real processes)")
+    config.addinivalue_line("markers", "slow: a long run (accuracy, XLA compiles)")
 
 
 # -- the Horovod build beside the suite (tests/run_suite.sh) ----------------------
@@ -150,21 +188,25 @@ def wait_for_horovod_build() -> None:
 # -- order: the longest files first, so two workers end together ------------------
 # Files in this order, then the rest alphabetically. test_horovod.py waits for
 # the Horovod build, which takes 2-4 minutes on a fresh machine: it comes
-# after enough other work to cover that. test_slurm.py (about a minute of
+# after enough other work to cover that. test_slurm_runs.py (about a minute of
 # Slurm jobs; alphabetically it would come last) also wants Horovod built.
 # (xdist itself then sends the files with the most tests first, so one-test
 # files run last: the "does it fit" test, 100 s of processes, ran alone at the
-# end as test_fits.py, so it now leads tests/test_zero.py. Measured: keeping this order
+# end as test_fits.py, so it now leads tests/integration/test_zero.py. Measured: keeping this order
 # instead (--no-loadscope-reorder, the longest multi-process files first) ran
 # every cluster at the same time as another and made the suite slower, 1158 s
 # against 1040 s, with 2050 against 1855 CPU-seconds: two clusters at once on
 # 2 cores cost more than a cluster beside in-process tests.)
 FIRST = ["test_multi_worker.py", "test_parameter_server.py", "test_reliability.py",
-         "test_dtensor.py", "test_zero.py", "test_horovod.py", "test_netns.py", "test_demo.py",
-         "test_cli.py", "test_slurm.py", "test_exposure.py"]
+         "test_dtensor.py", "test_zero.py", "test_horovod.py", "test_netns.py",
+         "test_demo_runs.py", "test_cli.py", "test_slurm_runs.py", "test_exposure.py"]
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:   # the folder says what a test is
+        if f"{os.sep}integration{os.sep}" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
     def rank(item):
         name = os.path.basename(str(item.fspath))
         return (FIRST.index(name) if name in FIRST else len(FIRST), name)

@@ -1,4 +1,4 @@
-"""A process of the "does it fit" proof (tests/test_zero.py, bench/dtensor.py --fits).
+"""A process of the "does it fit" proof (tests/integration/test_zero.py, bench/dtensor.py --fits).
 
     python tests/fits_worker.py OUT_DIR MODEL_DIR STRATEGY MESH STAGE WIDTH DEPTH STEPS [SNAPSHOT]
 

@@ -1,6 +1,6 @@
 """Several tests/mw_worker.py runs, one after the other, in one process per rank.
 
-Run by tests/test_horovod.py under one horovodrun (a horovodrun is the
+Run by tests/integration/test_horovod.py under one horovodrun (a horovodrun is the
 expensive unit: seconds of TensorFlow start-up per rank):
     horovodrun ... python tests/hvd_driver.py JOBS_JSON
 JOBS_JSON is a list of [NAME, OUT_DIR, STEPS, TRAIN_OVERRIDES_JSON]; each job is
@@ -12,7 +12,7 @@ NAME` on stdout and stderr, so a test can tell each job's output apart. A job
 that fails ends the process as mw_worker.py does (one `fault:` line, exit
 status 1): the jobs after it do not run.
 
-A job with a "task" imports tests/test_tasks.py, which (through conftest.py)
+A job with a "task" imports tests/integration/test_tasks.py, which (through conftest.py)
 splits the CPU into 4 virtual devices, as it does in mw_worker.py's process;
 that must happen before TensorFlow's runtime starts, so the driver imports it
 first when any job has a task (the Horovod engine uses the first CPU device

@@ -3,8 +3,8 @@
 namespaces joined by a veth pair (`Link`), its shaping with `tc` (a `tbf`
 rate limit, a `netem` delay where the kernel has it) and byte counters, and
 the two `tfdist-train --strategy=multi_worker` processes that train across
-it (`Workers`). Used by tests/test_netns.py, tests/test_exposure.py,
-tests/test_slow_link.py and bench/slow_link.py; only the standard library
+it (`Workers`). Used by tests/integration/test_netns.py, tests/integration/test_exposure.py,
+tests/integration/test_slow_link.py and bench/slow_link.py; only the standard library
 (it imports no TensorFlow)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ LOG=$VENV/horovod-build.log
 rm -f "$STATUS"
 start=$(date +%s)
 # A cached wheel is installed without horovodrun's smoke test
-# (TFDIST_HOROVOD_VERIFY=0): tests/test_horovod.py runs horovodrun end to end.
+# (TFDIST_HOROVOD_VERIFY=0): tests/integration/test_horovod.py runs horovodrun end to end.
 ( TFDIST_HOROVOD_VERIFY=0 make --no-print-directory horovod > "$LOG" 2>&1; code=$?
   echo "$code $(( $(date +%s) - start ))" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS" ) &
 build=$!

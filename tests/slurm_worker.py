@@ -1,6 +1,6 @@
 """tfdist-train under Slurm, then every task saves what it trained.
 
-Run by tests/test_slurm.py as the program of launch/slurm/tfdist.sbatch
+Run by tests/integration/test_slurm_runs.py as the program of launch/slurm/tfdist.sbatch
 (TFDIST_TRAIN="python tests/slurm_worker.py"): it takes tfdist-train's flags
 and runs tfdist-train's own `main` (only the chief prints the run summary and
 writes --model_dir), then each task writes, into $TFDIST_SLURM_TEST_OUT,

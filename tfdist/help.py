@@ -127,7 +127,7 @@ def _width() -> int:
 
 
 def ungrouped() -> list[str]:
-    """Flags tfdist.flags defines that no group lists (tests/test_help.py
+    """Flags tfdist.flags defines that no group lists (tests/unit/test_help.py
     requires none; --help still shows them, under "other")."""
     grouped = {name for names in tfdist_flags.HELP_GROUPS.values() for name in names}
     return [flag.name for flag in flags.FLAGS.get_flags_for_module(tfdist_flags.__name__)
@@ -251,7 +251,7 @@ def install(text: Callable[[], str]) -> None:
 REFERENCE_HEADER = """# Reference: engines and flags
 
 Generated from the options' declarations (`tfdist/config/`) by `make reference`;
-`tests/test_help.py` fails when this file and the declarations differ. Every
+`tests/unit/test_help.py` fails when this file and the declarations differ. Every
 flag here is also a field of the Python API's configuration: the part and
 field are given where the names differ (`--model_width` is
 `ModelConfig.width`). "Read by" lists the engines that use an option (the

@@ -9,7 +9,7 @@ relies on the name, that the name is there and is still used the way the
 workaround assumes (e.g. that the Keras method tfdist replaces is still the one
 Keras calls), and raises `UpstreamChanged` -- one line naming the attribute and
 the versions -- when it is not: a patch never becomes a silent no-op.
-`tests/test_compat.py` has a test per entry that fails if the patch stops
+`tests/unit/test_compat.py` has a test per entry that fails if the patch stops
 taking effect.
 
 The package is split by upstream; every public name is re-exported here, so

@@ -47,7 +47,7 @@ def dtensor_fsdp_lowering(mesh_axes: dict, stage: int) -> None:
 
     What: two environment switches of TensorFlow's DTensor compiler, read once
     per process, by the first DTensor program it compiles (verified: setting
-    one later changes nothing; `tests/test_compat.py`).
+    one later changes nothing; `tests/unit/test_compat.py`).
 
     - `DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0`. Why: by default
       DTensor merges the step's independent all-reduces into one, and on CPU
@@ -68,7 +68,7 @@ def dtensor_fsdp_lowering(mesh_axes: dict, stage: int) -> None:
 
     A value the user set is kept. Verified: tensorflow 2.21.0. Check: the
     refusal above (a wrong result is never silent); the memory is measured by
-    `bench/dtensor.py`'s "does it fit" row and `tests/test_zero.py`.
+    `bench/dtensor.py`'s "does it fit" row and `tests/integration/test_zero.py`.
     """
     import os
     from tfdist.errors import UsageError

@@ -119,7 +119,7 @@ def keras_initializer_of(initial_value):
     initializer(self._shape, dtype=self._dtype)`). Why: the DTensor engine
     draws a sharded variable's value shard by shard only for initializers it
     knows to be element-wise (`tfdist/strategies/dtensor/init.py`). Verified:
-    keras 3.15.1. Check: `tests/test_dtensor_init.py` (a sharded variable of
+    keras 3.15.1. Check: `tests/integration/test_dtensor_init.py` (a sharded variable of
     each kind matches one device's)."""
     import keras
     for cell in getattr(initial_value, "__closure__", None) or ():
@@ -269,8 +269,8 @@ def keras_random_draws(replacements: dict):
     drawing the slice alone (`tfdist/strategies/dtensor/init.py`); Keras has
     no public hook between an initializer and its random op. Verified: keras
     3.15.1. Check: each function exists and `keras.random.<name>` still calls
-    it through `backend.random` (`tests/test_compat.py`; ZeRO-3's initial
-    weights equal one device's in `tests/test_dtensor_init.py`).
+    it through `backend.random` (`tests/unit/test_compat.py`; ZeRO-3's initial
+    weights equal one device's in `tests/integration/test_dtensor_init.py`).
     """
     from keras.src.backend.tensorflow import random as backend_random
     from keras.src.random import random as keras_random

@@ -94,8 +94,8 @@ def defer_keras_matplotlib() -> None:
     here (AMD EPYC, AVX-512), in every process of every run. Verified: keras
     3.15.1 (the modules in keras/src that import matplotlib at import time).
     Check: each global is None when matplotlib cannot be imported (else
-    `UpstreamChanged`); tests/test_compat.py checks that nothing else imports
-    matplotlib. A no-op when Keras is already imported.
+    `UpstreamChanged`); tests/integration/test_compat_processes.py checks that
+    nothing else imports matplotlib. A no-op when Keras is already imported.
     """
     if "keras" in sys.modules or any(isinstance(f, _DeferMatplotlib) for f in sys.meta_path):
         return

@@ -167,8 +167,8 @@ def gradient_overridden(op_type: str, gradient):
     under DTensor). A public `tf.RegisterGradient` cannot replace an entry,
     and `gradient_override_map` is not consulted by the tape. Verified:
     tensorflow 2.21.0. Check: the registry, its entry dict and the tape's
-    lookup through it exist (`tests/test_compat.py`; the depthwise models of
-    `tests/test_user_models.py` fail to compile without the patch).
+    lookup through it exist (`tests/unit/test_compat.py`; the depthwise models of
+    `tests/integration/test_user_models.py` fail to compile without the patch).
     """
     from tensorflow.python.eager import backprop
     from tensorflow.python.framework import ops
@@ -207,7 +207,7 @@ def custom_gradients_on_tape():
     the recorded gradient; only `tf.gradients` of the traced graph would not,
     and tfdist never calls it there. Verified: tensorflow 2.21.0. Check: both
     functions exist and the wrapper still reads the name it replaces
-    (`tests/test_compat.py`; `tests/test_user_models.py` fails to compile
+    (`tests/unit/test_compat.py`; `tests/integration/test_user_models.py` fails to compile
     without it).
     """
     module, _, eager_mode = _custom_gradient_modes()

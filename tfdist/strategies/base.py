@@ -7,7 +7,7 @@ and who is chief. These core hooks are what every engine has; what only some
 engines do (tensor sharding, elastic membership, scheduled steps, serving
 processes) are opt-in interfaces in `capabilities.py`. The trainer only
 calls these hooks, so adding an engine is one file plus one registry line
-(see `tfdist/strategies/__init__.py`; `tests/test_new_engine.py` adds one).
+(see `tfdist/strategies/__init__.py`; `tests/integration/test_new_engine.py` adds one).
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ def _fresh_run(config, initial, model_config, spec, dataset_fn):
 
 class _References(dict):
     """One-device training of each case (the reference), with its initial
-    weights, made when a test first asks for the case (`make unit` runs no
-    transformer test here)."""
+    weights, made when a test first asks for the case (`-m "not slow"` runs
+    no transformer test here)."""
 
     def __missing__(self, case):
         model_config, spec, _ = CASES[case]
@@ -114,8 +114,7 @@ def _assert_matches(result, reference, initial):
     assert result.summary["loss"] == pytest.approx(reference.summary["loss"], rel=1e-5)
 
 
-# Every mesh shape for the mlp in `make unit`; the transformer on 2x2 (`slow`,
-# ~16 s; `make test` runs it), where both axes' collectives run at once (its
+# Every mesh shape for the mlp; the transformer on 2x2 (`slow`, ~16 s), where both axes' collectives run at once (its
 # 1x4 and 4x1 meshes matched too, and were left out for the suite's time).
 @pytest.mark.parametrize("case,mesh", [
     *[("mlp", m) for m in ("batch:1,model:4", "batch:2,model:2", "batch:4,model:1")],
@@ -139,8 +138,7 @@ def test_dtensor_accumulation_matches_one_big_batch(references):
     ("mlp", {"name": "momentum", "learning_rate": 0.05}, {}),
     ("mlp", {"clip_grad_norm": 0.01}, {}),
     ("mlp", {"lr_decay": "cosine", "warmup_steps": 2}, {}),
-    # `slow` (left out of `make unit`; `make test` runs it): the transformer traced with
-    # recomputed blocks.
+    # `slow`: the transformer traced with recomputed blocks.
     pytest.param("transformer", {}, {"recompute": True}, marks=pytest.mark.slow),
 ])
 def test_trainer_features_match_one_device(references, case, optimizer, model):
@@ -178,7 +176,7 @@ def _shard_bytes(variable):
             for s in dtensor.unpack(variable._value.read_value())]
 
 
-@pytest.mark.slow   # a transformer run (~10 s of `make unit`); make test runs it
+@pytest.mark.slow   # a transformer run (~10 s)
 def test_each_shard_holds_its_share(references):
     """Per-device bytes of every sharded variable and of its Adam slots are the
     global bytes / the sizes of the axes it is split over (read with unpack)."""
@@ -297,17 +295,6 @@ def test_two_processes_train_what_one_process_trains_on_the_same_mesh(tmp_path):
     assert_variables_equal(restored.model.get_weights(), workers[0])
 
 
-def _free_ports(n):
-    import socket
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_dead_process_ends_the_mesh_with_a_fault_naming_it(tmp_path, data_dir):
@@ -318,9 +305,9 @@ def test_a_dead_process_ends_the_mesh_with_a_fault_naming_it(tmp_path, data_dir)
     import signal
     import subprocess
     import time
-    from conftest import BIN, REPO
+    from conftest import BIN, REPO, free_ports
 
-    addresses = [f"localhost:{p}" for p in _free_ports(2)]
+    addresses = [f"localhost:{p}" for p in free_ports(2)]
     args = [os.path.join(BIN, "tfdist-train"), "--strategy=dtensor", "--mesh=batch:2,model:2",
             "--virtual_devices=2", "--model=mlp", "--train_steps=1000000", "--steps_per_loop=10",
             "--log_every=10", "--collective_timeout_s=20", f"--data_dir={data_dir}"]

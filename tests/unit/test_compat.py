@@ -418,7 +418,7 @@ def test_first_line():
 
 def test_each_multi_worker_strategy_gets_its_own_collective_keys(monkeypatch):
     """Without it a second MultiWorkerMirroredStrategy in one process reuses the
-    first's group keys (tests/test_multi_worker.py trains several runs per
+    first's group keys (tests/integration/test_multi_worker.py trains several runs per
     worker process on it); with a stand-in lacking the name, one loud line."""
     cls = tf.distribute.MultiWorkerMirroredStrategy
     monkeypatch.setattr(cls, "_collective_key_base", cls._collective_key_base)
@@ -432,7 +432,7 @@ def test_each_multi_worker_strategy_gets_its_own_collective_keys(monkeypatch):
 
 def test_coordination_key_value(monkeypatch):
     """The store DTensor's client 0 waits on at the end of a run across
-    processes (used by tests/test_dtensor.py's and tests/test_slurm.py's
+    processes (used by tests/integration/test_dtensor.py's and tests/integration/test_slurm_runs.py's
     2-process meshes); a TensorFlow without it is one line."""
     from tensorflow.python.eager import context
     assert all(map(callable, compat.coordination_key_value()))
@@ -505,29 +505,6 @@ def test_model_layers_check(monkeypatch):
     with pytest.raises(compat.UpstreamChanged) as raised:
         compat.model_layers(keras.Sequential([keras.layers.Dense(1)]))
     assert_one_line_change(raised, "_flatten_layers")
-
-
-def test_keras_imports_matplotlib_only_when_a_plot_needs_it(tmp_path):
-    """With tfdist imported first, `import tensorflow` and `import keras` leave
-    matplotlib out (0.4-0.5 CPU-s per process) and Keras's galleries still plot
-    (pyplot and patches); the control, TensorFlow imported first, shows Keras
-    importing matplotlib by itself."""
-    import subprocess
-    import sys
-    png = str(tmp_path / "gallery.png")
-    deferred = ("import sys, tfdist, tensorflow, keras, numpy\n"
-                "assert not [m for m in sys.modules if m.startswith('matplotlib')], 'imported'\n"
-                "keras.visualization.plot_image_gallery(numpy.zeros((2, 4, 4, 3)), path=sys.argv[1])\n"
-                "from keras.src.visualization import plot_bounding_box_gallery as boxes\n"
-                "assert boxes.patches.Patch   # (plotting boxes needs OpenCV too)\n"
-                "assert 'matplotlib.pyplot' in sys.modules and 'matplotlib.patches' in sys.modules\n")
-    control = "import sys, tensorflow, tfdist; assert 'matplotlib.pyplot' in sys.modules"
-    procs = [subprocess.Popen([sys.executable, "-c", code, png], stderr=subprocess.PIPE, text=True)
-             for code in (deferred, control)]
-    for proc in procs:
-        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:]
-    with open(png, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_keras_matplotlib_check():

@@ -1,7 +1,7 @@
 """One run, any engine: a checkpoint written by one device resumes under
 every in-process synchronous engine, continuing as if it had never stopped.
-(Fresh runs from the seed alone: `tests/test_dtensor_init.py` for ZeRO-3 on
-2x2, `tests/test_multi_worker.py` for two shuffled workers.)
+(Fresh runs from the seed alone: `tests/integration/test_dtensor_init.py` for ZeRO-3 on
+2x2, `tests/integration/test_multi_worker.py` for two shuffled workers.)
 
 A user's own functional model (a residual tower of Dense, Add and
 LayerNormalization layers with the user's names), regression with sample

@@ -33,7 +33,7 @@ def read_scalars(directory):
     return scalars
 
 
-@pytest.mark.slow   # the profiler's trace (~15 s of `make unit`); make test runs it
+@pytest.mark.slow   # the profiler's trace (~15 s)
 def test_tensorboard_has_every_scalar_and_the_profile_trace(tmp_path):
     config = run_config("mirrored", steps=6, steps_per_loop=2, model_dir=str(tmp_path),
                         precision="mixed_float16", profile_steps=(3, 4), grad_agreement_every=3)
@@ -80,7 +80,7 @@ def _initial(config):
     return models.build(config.model, IMAGE_SPEC).get_weights()
 
 
-@pytest.mark.slow   # XLA compiles (~30 s of `make unit`); run by `make test`
+@pytest.mark.slow   # XLA compiles (~30 s)
 @pytest.mark.parametrize("strategy", ["default", "mirrored"])
 def test_jit_compile_on_matches_off(strategy):
     """XLA fuses and reorders float operations, so weights after 5 Adam steps

@@ -15,7 +15,7 @@ from tfdist import checkpointing, cluster, models
 from tfdist.errors import UsageError
 
 from common import IMAGE_SPEC, assert_weights_close, mw_config, train_from
-from conftest import BIN, REPO, run_cli, run_clis
+from conftest import BIN, REPO, free_ports, run_cli, run_clis
 
 pytestmark = pytest.mark.integration
 LAUNCH = os.path.join(BIN, "tfdist-launch")
@@ -393,19 +393,6 @@ def test_bad_tf_config_is_rejected(text, message):
     assert message in str(caught.value)
 
 
-def _free_ports(n):
-    """n ports free now on localhost (bound and released by this process)."""
-    import socket
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("localhost", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def test_bad_tf_config_exits_2_without_waiting(tmp_path):
     cases = BAD_TF_CONFIGS[::3]
     args = ["--strategy=multi_worker", "--model=mlp", "--train_steps=1"]
@@ -474,7 +461,7 @@ def test_sigterm_while_the_cluster_forms_stops_the_worker_at_once():
     swallowing SIGTERM: the worker ends at once with one line, long before
     --collective_timeout_s. (The control is history: the signal used to end
     only the deadline's process, and the worker waited with no deadline.)"""
-    mine, peer = _free_ports(2)
+    mine, peer = free_ports(2)
     tf_config = json.dumps({"cluster": {"worker": [f"localhost:{mine}", f"localhost:{peer}"]},
                             "task": {"type": "worker", "index": 0}})
     proc = subprocess.Popen(
@@ -499,7 +486,7 @@ def test_sigterm_while_the_cluster_forms_stops_the_worker_at_once():
 
 @pytest.mark.timeout(120)
 def test_peer_that_never_starts_fails_within_timeout(tmp_path):
-    mine, peer = _free_ports(2)   # not fixed: another test's cluster may run meanwhile
+    mine, peer = free_ports(2)   # not fixed: another test's cluster may run meanwhile
     tf_config = json.dumps({"cluster": {"worker": [f"localhost:{mine}", f"localhost:{peer}"]},
                             "task": {"type": "worker", "index": 0}})
     started = time.monotonic()

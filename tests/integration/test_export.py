@@ -4,7 +4,6 @@ predict what the trained weights predict."""
 
 import json
 import os
-import subprocess
 
 import keras
 import numpy as np
@@ -15,7 +14,7 @@ from tfdist import exporting, models
 from tfdist.checkpointing import checkpoint_dir
 from tfdist.data import tfds_inputs
 
-from conftest import BIN, REPO, run_all, run_clis
+from conftest import BIN, run_all, run_clis
 
 TINY = {"mlp": ["--model=mlp", "--model_width=16", "--model_depth=1"],
         "cnn": ["--model=cnn", "--model_width=4", "--model_depth=1"]}

@@ -1,5 +1,5 @@
 """The pipeline engine with its stages in processes: one
-tfdist-launch cluster of 4 workers (tests/test_pipeline.py has the engine in
+tfdist-launch cluster of 4 workers (tests/integration/test_pipeline.py has the engine in
 one process, and the tolerance rules)."""
 
 import dataclasses
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 # stage's other replica, clipped by the whole model's norm summed over all
 # workers), holds only its stage's weights and optimizer slots, and the chief
 # gathers the rest from their owners when training ends: the chief's weights
-# and slots equal the same micro-batches accumulated on one device within tests/test_pipeline.py's
+# and slots equal the same micro-batches accumulated on one device within tests/integration/test_pipeline.py's
 # tolerance, and the BatchNorm statistics every worker ends with are its stage
 # owner's (the owners contribute S x theirs to the sum over all N workers, the
 # others zeros, and the trainer divides by N).
@@ -63,7 +63,7 @@ PROCESS_RUNS = {
         "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
         "model_dir": "checkpointed", "train_steps": 6, "export_dir": "exported",
         "starts_as": "2 stages x 2 replicas, checkpoint every 2 steps"},
-    # --on_nonfinite=rollback: step 7's loss is NaN (tests/test_nonfinite.py's
+    # --on_nonfinite=rollback: step 7's loss is NaN (tests/integration/test_nonfinite.py's
     # data); every worker restores the step-4 checkpoint (each holds the
     # whole model while it restores), takes its stage from the chief, frees
     # the rest and goes on past the batch, as one device does.

@@ -35,7 +35,7 @@ def test_accumulated_micro_batches_match_one_big_batch(strategy):
     assert_weights_close(four.model.get_weights(), one.model.get_weights(), atol=2e-6)
 
 
-@pytest.mark.slow   # the transformer's traces (~15 s of `make unit`); make test runs it
+@pytest.mark.slow   # the transformer's traces (~15 s)
 @pytest.mark.parametrize("compression", ["none", "bf16"])
 def test_transformer_accumulates_and_compresses(compression):
     """Embedding gradients (sparse in TensorFlow) through accumulation and
@@ -211,7 +211,7 @@ def _model_from(initial, config, spec):
     return model
 
 
-@pytest.mark.slow   # two models traced twice each (~45 s of `make unit`); run by `make test`
+@pytest.mark.slow   # two models traced twice each (~45 s)
 @pytest.mark.parametrize("model", ["cnn", "transformer"])
 def test_recompute_gives_the_same_weights(model):
     spec, dataset_fn = ((IMAGE_SPEC, image_dataset_fn) if model == "cnn"

@@ -362,7 +362,7 @@ def test_two_ranks_local_sgd_agree_at_the_average_and_differ_from_plain(first_ru
 def test_powersgd_ranks_resume_their_own_state_exactly(first_run, second_run, mw_initial):
     """8 steps, then 4 more in fresh rank processes (each restores its own
     error feedback and Q from beside the checkpoint) == 12 straight. Control
-    (in process, tests/test_compression.py): without the saved state a resume differs."""
+    (in process, tests/integration/test_compression.py): without the saved state a resume differs."""
     for name in ("powersgd_straight", "powersgd_resumed"):
         assert first_run.get(name, second_run.get(name))[0].returncode == 0, name
     straight_dir, resumed_dir = first_run["powersgd_straight"][1], second_run["powersgd_resumed"][1]
@@ -689,7 +689,7 @@ def test_elastic_survives_a_killed_rank_and_takes_it_back(tmp_path, data_dir, ba
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", NONFINITE_MODES)
 def test_on_nonfinite_under_two_ranks(first_run, second_run, mode):
-    """--on_nonfinite with a NaN at one step (tests/test_nonfinite_cluster.py,
+    """--on_nonfinite with a NaN at one step (tests/integration/test_nonfinite_cluster.py,
     there under multi_worker): stop ends both ranks with one line naming the
     step; skip and rollback finish with both ranks identical."""
     from test_nonfinite_cluster import check_rollback, check_skip, check_stop

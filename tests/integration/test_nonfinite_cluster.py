@@ -1,5 +1,5 @@
 """--on_nonfinite across processes: 2 multi_worker workers under tfdist-launch
-(Horovod's 2 ranks: tests/test_horovod.py), the NaN of test_nonfinite.py
+(Horovod's 2 ranks: tests/integration/test_horovod.py), the NaN of test_nonfinite.py
 injected at step NAN_STEP (tests/mw_worker.py {"nan": true}). Every worker sees
 the same reduced loss, so every worker takes the same decision. One launch
 per mode for Horovod; here one launch makes all three modes in turn (each

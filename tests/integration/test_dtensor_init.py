@@ -7,7 +7,6 @@ float operations, only fewer of them, so nothing is reordered.
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
