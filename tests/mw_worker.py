@@ -28,7 +28,10 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The shared helpers (tests/) and the test modules whose cases a job runs
+# (tests/integration/: test_tasks, test_nonfinite).
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")]
 from common import IMAGE_SPEC, mw_config, train_from  # noqa: E402
 
 # Host inputs for the trained model's predictions (OUT_DIR/predictions-<worker>.npy).
