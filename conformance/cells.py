@@ -245,7 +245,7 @@ def run_cell(workdir, engine, case, precision):
         return diff <= 1e-5, f"reloaded predicts within {diff:.1e} (relative); {sorted(paths_written)}"
     check("export", export)
 
-    # 2b. `result.model.predict` on host data (README: under every engine),
+    # 2b. `result.model.predict` on host data (docs/guides/python-api.md: under every engine),
     # against calling the model.
     def predict():
         x, _ = host_data(case, "test")

@@ -275,7 +275,7 @@ def write_table(workdir, out, names, engines, wall_s, timings):
               "shown.",
               "4. `tfdist.export(result, dir)` writes model.keras and a SavedModel, and "
               "`tfdist.load_model(dir/model.keras)` predicts like `result.model(x)` "
-              "(relative 1e-5); and `result.model.predict(x)` (the README: on host data "
+              "(relative 1e-5); and `result.model.predict(x)` (docs/guides/python-api.md: on host data "
               "under every engine) gives `result.model(x)` (check `predict`). In clusters "
               "every process makes every check (`predict` is a collective under "
               "multi_worker); the chief's cell is recorded.",

@@ -10,7 +10,7 @@ two inputs; tfdist brings the engines, the flags and the training loop.
     horovodrun -np 2 --gloo python examples/custom_script.py --strategy=horovod
 
 Every tfdist flag works here too (--global_batch_size, --model_dir,
---export_dir, --accum_steps, ...; see the README's flag reference), next to
+--export_dir, --accum_steps, ...; see docs/reference/flags.md), next to
 this script's own (--examples, --hidden_units, --positive_weight). A flag of
 yours with the name of one of tfdist's is reported as one line at start-up.
 """

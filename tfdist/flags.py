@@ -41,7 +41,7 @@ def _clash_hook(previous):
                               r"[Ss]econd from (.+?)\.(?:\s|$)", str(error))
             what = (f"--{found[1]} is defined twice, by {found[2]} and by {found[3]}"
                     if found else str(error).splitlines()[0])
-            print(f"error: {what}: tfdist defines the flags of its README's flag reference; "
+            print(f"error: {what}: tfdist defines the flags of docs/reference/flags.md; "
                   "rename yours", file=sys.stderr)
             sys.exit(2)
         previous(kind, error, traceback)

@@ -1,4 +1,5 @@
-"""--network: keep a local cluster off the network (README "Security").
+"""--network: keep a local cluster off the network (docs/guides/clusters.md,
+"What a cluster exposes").
 
 TensorFlow's gRPC servers listen on every interface and authenticate nothing,
 so a loopback cluster runs in a private network namespace of its own with only
@@ -148,7 +149,7 @@ def describe_cluster(tasks, private, reason):
     ports = [address.rpartition(":")[2] for _, _, address in tasks]
     exposed = (f"TensorFlow's gRPC servers listen on port{'s' if len(ports) > 1 else ''} "
                f"{', '.join(ports)} of every interface, "
-               "unauthenticated (see README \"Security\")")
+               "unauthenticated (see docs/guides/clusters.md, \"What a cluster exposes\")")
     if reason is None:
         return f"cluster: {listing}; on this host's network (--network=host): {exposed}"
     return (f"warning: cluster: {listing}; reachable from the network: {exposed}; "

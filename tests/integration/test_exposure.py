@@ -1,4 +1,4 @@
-"""Who can reach a running local cluster (README "Security").
+"""Who can reach a running local cluster (docs/guides/clusters.md, "What a cluster exposes").
 
 TensorFlow's gRPC servers listen on every interface and authenticate nothing,
 so tfdist-launch runs a loopback cluster in a private network namespace with

@@ -350,8 +350,8 @@ def test_network_confines_the_cluster_or_shares_this_hosts(tmp_path, network):
     else:
         assert not warning and rest == (
             "on this host's network (--network=host): TensorFlow's gRPC servers listen on ports "
-            f"{ports[0]}, {ports[1]} of every interface, unauthenticated (see README "
-            '"Security")'), rest
+            f"{ports[0]}, {ports[1]} of every interface, unauthenticated (see "
+            'docs/guides/clusters.md, "What a cluster exposes")'), rest
         assert not own_namespace and reached == [True, True], (own_namespace, reached)
         assert all(net == "host" and len(ifs) > 1 for net, ifs in seen.values()), seen
 
@@ -364,7 +364,8 @@ def test_a_non_loopback_host_is_not_confined_and_says_so(tmp_path):
     ports = [address.rpartition(":")[2] for _, _, address in tasks]
     assert warning and rest == (
         f"reachable from the network: TensorFlow's gRPC servers listen on ports {ports[0]}, "
-        f"{ports[1]} of every interface, unauthenticated (see README \"Security\"); not "
+        f"{ports[1]} of every interface, unauthenticated (see docs/guides/clusters.md, "
+        "\"What a cluster exposes\"); not "
         "confined: --host=0.0.0.0 is not a loopback address (0.0.0.0)"), rest
 
 
@@ -458,7 +459,8 @@ def test_a_kernel_that_refuses_namespaces_gets_a_warning_or_exit_2_with_private(
                "refuses an unprivileged user namespace: unshare(CLONE_NEWUSER|CLONE_NEWNET): ")
     assert warning and rest.startswith(
         f"reachable from the network: TensorFlow's gRPC servers listen on ports {ports} of every "
-        f"interface, unauthenticated (see README \"Security\"); not confined: {refusal}"), rest
+        f"interface, unauthenticated (see docs/guides/clusters.md, \"What a cluster exposes\"); "
+        f"not confined: {refusal}"), rest
     assert private.returncode == 2 and private.stdout == "", private.stderr
     [line] = private.stderr.splitlines()
     assert line.startswith(f"tfdist-launch: error: --network=private: cannot confine the "

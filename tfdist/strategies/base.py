@@ -80,7 +80,7 @@ class Strategy(abc.ABC):
     xla_whole_step: bool = False
     # Replicas of this process that are logical devices of one CPU, sharing
     # its cores (mirrored over --virtual_devices): a test vehicle, not a
-    # speed-up (README, "Mirrored over virtual CPUs").
+    # speed-up (docs/guides/default-and-mirrored.md).
     shared_cpu_replicas: int = 0
 
     def __init__(self, config: StrategyConfig):

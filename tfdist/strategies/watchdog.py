@@ -17,8 +17,9 @@ host" or "timed out" (no answer: the peer's link or host is down).
 
 `announce_server` prints, from every process that starts TensorFlow's gRPC
 server, the port it listens on and who can reach it: the server binds every
-interface and authenticates nothing (README "Security"), unless tfdist-launch
-confined the cluster to a private network namespace with only loopback.
+interface and authenticates nothing (docs/guides/clusters.md, "What a cluster
+exposes"), unless tfdist-launch confined the cluster to a private network
+namespace with only loopback.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def announce_server(task_type: str, task_index: int, address: str, *,
                  if os.environ.get("TFDIST_NETWORK") == "private" else "a network namespace")
         reach = f"only inside {whose} (loopback only: unreachable from other hosts)"
     else:
-        reach = "of every interface (unauthenticated; see README \"Security\")"
+        reach = ("of every interface (unauthenticated; see docs/guides/clusters.md, "
+                 "\"What a cluster exposes\")")
     line = (f"{prog}: {task_type} {task_index} ({address}): TensorFlow's gRPC server "
             f"listens on port {port} {reach}")
     sys.stderr.write(line + "\n")

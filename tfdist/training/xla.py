@@ -35,7 +35,7 @@ runs on:
     replicas' per-variable updates share two cores there, and the start-up
     warning steers a CPU user to the default strategy anyway;
   - `step` for bfloat16 on Intel CPUs with AVX512-BF16 but no AMX (the
-    2-core "Intel Xeon Processor" of README's vs_fit table): oneDNN's bf16
+    2-core "Intel Xeon Processor" of docs/benchmarks.md's vs_fit table): oneDNN's bf16
     matmuls ran at half float32's rate there (0.141 vs 0.279 TFLOP/s, by the
     first probe, which measured bf16 at 1024 and could read low), and XLA won
     every bf16 row (tfdist on vs off, default strategy: mlp 2082 vs 1251, cnn

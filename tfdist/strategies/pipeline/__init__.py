@@ -16,7 +16,7 @@ Where it runs:
 - in one process (no cluster): stage s on local device s: GPUs, or the
   logical CPUs of --virtual_devices. Logical CPUs share one process's
   threadpool, so they prove correctness and placement but never speed
-  (README, "Pipeline parallelism").
+  (docs/guides/pipeline.md).
 - across processes (a TF_CONFIG cluster of N = S x R workers, e.g. from
   tfdist-launch): worker k runs stage k mod S of pipeline replica k div S,
   its own program (one client per stage: bench/pipeline_probe.py measured
