@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.tfdist-installed
 # (its imports are pinned in setup.cfg's test extra; BUILD_NOTES.md).
 KERAS_HUB := keras-hub==0.32.0
 
-.PHONY: demo test unit install horovod slurm bench clean iproute2 conformance audit resume-matrix \
+.PHONY: demo test unit doctest install horovod slurm bench clean iproute2 conformance audit resume-matrix \
 	reference
 
 install: $(STAMP)
@@ -59,6 +59,13 @@ iproute2:
 # (tests/run_suite.sh). The build's log is $(VENV)/horovod-build.log.
 test: $(STAMP) iproute2
 	@tests/run_suite.sh $(VENV)
+
+# Every ```sh and ```python block of README.md, CONTRIBUTING.md and docs/, run
+# as written from a fresh directory per page, each tfdist-train command ending
+# with --train_steps=2 (tests/docs/; blocks needing horovodrun, Slurm, two
+# hosts, a GPU or root are skipped with their reason). Within 10 minutes on 2 cores.
+doctest: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=10 -p no:cacheprovider tests/docs
 
 # The unit tests alone (tests/unit/: one process, no training run; about a minute).
 unit: $(STAMP)

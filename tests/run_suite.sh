@@ -22,7 +22,7 @@ start=$(date +%s)
   echo "$code $(( $(date +%s) - start ))" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS" ) &
 build=$!
 TFDIST_REQUIRE_HOROVOD=1 TFDIST_HOROVOD_BUILD_STATUS=$STATUS TFDIST_HOROVOD_BUILD_LOG=$LOG \
-  "$BIN/python" -m pytest -q -n 2 --dist loadfile --durations=15 -p no:cacheprovider tests
+  "$BIN/python" -m pytest -q -n 2 --dist loadfile --durations=15 -p no:cacheprovider --ignore=tests/docs tests
 status=$?
 wait "$build"
 suite=$(( $(date +%s) - start ))
