@@ -111,13 +111,19 @@ resume-matrix: $(STAMP)
 	$(BIN)/python conformance/resume_matrix.py --out docs/resume_matrix.md
 
 # docs/reference/flags.md from the options' declarations (tfdist/config/) and
-# the engines' records, and README.md's engine table from the records;
-# tests/unit/test_options.py fails when either is out of date.
+# the engines' records, README.md's engine table from the records, and
+# docs/reference/cli.md and api.md from the programs' --help and the API's
+# docstrings (tfdist/reference.py); tests/unit/test_options.py and
+# test_reference.py fail when any is out of date.
 reference: $(STAMP)
 	$(BIN)/python -c "from tfdist import help; print(help.markdown_reference(), end='')" \
 	    > docs/reference/flags.md
 	$(BIN)/python -c "from tfdist import help; t = open('README.md').read(); \
 	    open('README.md', 'w').write(help.with_engine_table(t))"
+	$(BIN)/python -c "from tfdist import reference; print(reference.markdown_cli(), end='')" \
+	    > docs/reference/cli.md
+	$(BIN)/python -c "from tfdist import reference; print(reference.markdown_api(), end='')" \
+	    > docs/reference/api.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info
