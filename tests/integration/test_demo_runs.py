@@ -8,11 +8,13 @@ from conftest import demo_config
 
 
 @pytest.mark.slow
-def test_demo_reaches_90_percent_on_a_shortened_run(data_dir):
+def test_demo_reaches_90_percent_on_a_shortened_run(data_dir, tmp_path):
     """80 steps at the demo's constant learning rate: test accuracy measured
     0.956 at step 60, 0.985 at 80, 0.997 at 100 (AVX-512 EPYC); 80 keeps a
     wide margin over 0.90 past the steep part of the curve (0.48 at step 40)."""
-    config = demo_config("--train_steps=80", f"--data_dir={data_dir}")
+    # Its own model_dir: the flagfile's runs/demo is the user's (make demo).
+    config = demo_config("--train_steps=80", f"--data_dir={data_dir}",
+                         f"--model_dir={tmp_path / 'demo'}")
     summary = tfdist.train(config).summary
     assert summary["strategy"] == "mirrored" and summary["replicas"] == 2
     assert summary["steps"] == 80
@@ -20,7 +22,7 @@ def test_demo_reaches_90_percent_on_a_shortened_run(data_dir):
 
 
 @pytest.mark.slow
-def test_mixed_precision_reaches_fp32_accuracy(data_dir):
+def test_mixed_precision_reaches_fp32_accuracy(data_dir, tmp_path):
     """bf16 and fp16 (loss-scaled) runs end within 2 points of float32 test
     accuracy: the transformer on the bundled token dataset, trained to its
     plateau (about 0.75: the next token is partly random). A matmul model:
@@ -36,7 +38,8 @@ def test_mixed_precision_reaches_fp32_accuracy(data_dir):
                               # for mixed precision on AVX-512 CPUs) is most of
                               # such a short run; precision is what is tested.
                               "--jit_compile=off",
-                              f"--precision={precision}", f"--data_dir={data_dir}")
+                              f"--precision={precision}", f"--data_dir={data_dir}",
+                              f"--model_dir={tmp_path / precision}")
         summary = tfdist.train(config).summary
         assert summary["precision"] == precision
         accuracy[precision] = summary["accuracy"]
