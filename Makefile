@@ -67,7 +67,7 @@ test: $(STAMP) iproute2
 doctest: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=10 -p no:cacheprovider tests/docs
 
-# The unit tests alone (tests/unit/: one process, no training run; about a minute).
+# The unit tests alone (tests/unit/: one process, no training run; about 20 s here).
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/unit
 
