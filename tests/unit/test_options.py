@@ -12,6 +12,7 @@ from absl import flags
 from tfdist import config as config_lib
 from tfdist import flags as tfdist_flags
 from tfdist import help as help_lib
+from tfdist.config.options import option
 from tfdist.errors import ConfigError
 
 from conftest import REPO
@@ -111,20 +112,33 @@ def test_the_readme_engine_table_is_the_one_generated():
     assert help_lib.with_engine_table(stale) == readme
 
 
+def _misplaced(cls) -> list:
+    """Fields of `cls` read by one engine but declared outside that engine's
+    options module, or read by several and declared inside one."""
+    owners = {}
+    for base in reversed(cls.__mro__):
+        for name in vars(base).get("__annotations__", {}):
+            owners[name] = base.__module__
+    wrong = []
+    for field in dataclasses.fields(cls):
+        engines = config_lib.declaration(field).engines
+        home = (f"tfdist.strategies.{engines[0]}.options" if len(engines) == 1 else None)
+        if (owners[field.name] != home) if home else (".strategies." in owners[field.name]):
+            wrong.append(field.name)
+    return wrong
+
+
 def test_an_option_only_one_engine_reads_is_declared_in_that_engine():
     """Engines own their options: a `StrategyConfig` field read by one engine
     comes from `tfdist/strategies/<engine>/options.py`, and such a module
     declares only its own engine's."""
-    owners = {}
-    for cls in reversed(config_lib.StrategyConfig.__mro__):
-        for name in vars(cls).get("__annotations__", {}):
-            owners[name] = cls.__module__
-    single = {}
-    for field in dataclasses.fields(config_lib.StrategyConfig):
-        engines = config_lib.declaration(field).engines
-        if len(engines) == 1:
-            single[field.name] = engines[0]
-            assert owners[field.name] == f"tfdist.strategies.{engines[0]}.options", field.name
-        else:
-            assert ".strategies." not in owners[field.name], field.name
-    assert {"mesh", "zero_stage", "pipeline_stages", "elastic", "ps_hosts"} <= set(single)
+    assert _misplaced(config_lib.StrategyConfig) == []
+    single = {f.name for f in dataclasses.fields(config_lib.StrategyConfig)
+              if len(config_lib.declaration(f).engines) == 1}
+    assert {"mesh", "zero_stage", "pipeline_stages", "elastic", "ps_hosts"} <= single
+    # The control: a dtensor-only option declared here, outside dtensor's package.
+    stray = dataclasses.make_dataclass("Stray", [(
+        "stray_option", int, option(
+            0, engines=("dtensor",), group="engine and cluster", help="x."))],
+        bases=(config_lib.StrategyConfig,), frozen=True)
+    assert _misplaced(stray) == ["stray_option"]
