@@ -415,7 +415,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
     task = _task(config, strategy, model, inputs, loss, metrics)
 
-    by_op = flops.try_forward_flops_by_op(model) or {}
+    by_op = flops.try_forward_flops_by_op(model, lambda: _example_signature(inputs)) or {}
     flops_per_example = flops.TRAINING_PASSES * sum(by_op.values()) or None
     convolution_share = flops.convolution_share(by_op)
     jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share,

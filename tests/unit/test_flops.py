@@ -107,6 +107,15 @@ def test_uncountable_model_warns_and_returns_none(caplog):
     assert len(warnings) == 1 and "MFU will not be reported" in warnings[0]
 
 
+def test_an_open_length_is_counted_on_the_data_shape():
+    """keras-hub's models take any sequence length: the FLOPs are counted for
+    one example of the data instead (the control: without it, none)."""
+    model = _model((None, 4), layers.Dense(3))
+    assert flops.try_forward_flops_by_op(model) is None
+    by_op = flops.try_forward_flops_by_op(model, lambda: tf.TensorSpec((1, 5, 4)))
+    assert sum(by_op.values()) == 2 * 5 * 4 * 3
+
+
 def test_mlp_builder():
     config = ModelConfig(name="mlp", width=16, depth=2)
     model = models.build(config, IMAGE_SPEC)

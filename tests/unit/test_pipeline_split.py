@@ -8,6 +8,7 @@ from tfdist.config import ModelConfig
 from tfdist.errors import UsageError
 from tfdist.observe import flops
 from tfdist.pipeline import split
+from tfdist.pipeline import stages as stages_lib
 
 from common import IMAGE_SPEC
 
@@ -115,11 +116,85 @@ def test_models_that_cannot_split_are_refused_in_one_line():
         split.blocks(sub)
     assert "\n" not in str(raised.value)
 
-    inputs = keras.Input((4,))
+
+
+def _run_stages(model, stages, x):
+    out = None
+    for stage in stages_lib.stage_models(model, stages):
+        out = stage(out, x, training=False)
+    return out
+
+
+def test_a_layer_called_on_two_stages_is_on_both_and_nested_models_are_looked_through():
+    """A tied embedding (called for the tokens and, transposed, for the
+    logits) inside and outside a nested functional model: the split sees
+    every call, the model's inputs (the mask, read by a later layer) do not
+    stop a cut, and the stages compute what the model computes."""
+    import numpy as np
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    mask = keras.Input((6,), name="mask")
+    embed = keras.layers.Embedding(11, 8, name="embed")
+    x = embed(tokens)
+    inner_in, inner_mask = keras.Input((6, 8)), keras.Input((6,))
+    h = keras.layers.Dense(8, name="inner_dense")(inner_in)
+    h = keras.layers.Multiply(name="masked")([h, keras.layers.Reshape((6, 1))(inner_mask)])
+    body = keras.Model([inner_in, inner_mask], h, name="body")
+    x = body([x, mask])
+    x = keras.layers.Dense(8, name="outer_dense")(x)
+    logits = keras.layers.Lambda(lambda t: keras.ops.matmul(t, keras.ops.transpose(
+        embed.embeddings)), name="tied_logits")(x)
+    model = keras.Model([tokens, mask], logits, name="tied")
+    found = split.blocks(model)
+    names = [name for b in found for name in b.layers]
+    assert "inner_dense" in names and "body" not in names, names
+    assert [b.layers[0] for b in found][:2] == ["embed", "inner_dense"], found
+    stages = split.split(model, 2, names=["outer_dense"])
+    built = stages_lib.stage_models(model, stages)
+    assert built[1].takes_boundary and built[1].reads == []
+    assert built[0].reads == [1, 0] or sorted(built[0].reads) == [0, 1]
+    x = [np.random.RandomState(0).randint(0, 11, (3, 6)).astype("int32"),
+         np.ones((3, 6), "float32")]
+    np.testing.assert_allclose(_run_stages(model, stages, x), model(x), rtol=1e-6, atol=1e-6)
+
     shared = keras.layers.Dense(4, name="shared")
-    out = shared(shared(inputs))
-    with pytest.raises(UsageError, match="layer 'shared' of model .* is called at 2 places"):
-        split.blocks(keras.Model(inputs, out))
+    inputs = keras.Input((4,))
+    twice = keras.Model(inputs, keras.layers.Dense(4, name="last")(
+        shared(keras.layers.Dense(4, name="middle")(shared(inputs)))))
+    stages = split.split(twice, 2, names=["middle"])
+    assert stages[0].layers == ("shared",) and stages[1].layers == ("middle", "shared", "last")
+    first, second = stages_lib.stage_models(twice, stages)
+    assert {v.path for v in first.trainable_variables} <= \
+        {v.path for v in second.trainable_variables}
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gpt2"])
+def test_keras_hub_causal_lms_split_at_their_decoder_blocks(kind):
+    """keras-hub's CausalLMs: the backbone is looked through, the padding
+    mask (read by every block) does not stop a cut, the reversed token
+    embedding makes the logits on the last stage, and the stages compute the
+    model's output."""
+    import numpy as np
+    keras_hub = pytest.importorskip("keras_hub")
+    if kind == "gemma":
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=32, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32, head_dim=8)
+        model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        blocks, last = ["decoder_block_0", "decoder_block_1"], "final_normalization"
+    else:
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=32, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+            max_sequence_length=8)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        blocks, last = ["transformer_layer_0", "transformer_layer_1"], "layer_norm"
+    found = split.blocks(model, count_flops=False)
+    starts = [b.layers[0] for b in found]
+    assert set(blocks) <= set(starts), starts
+    stages = split.split(model, 3, names=[blocks[0], last])
+    assert stages[0].layers[0] == "token_embedding" and stages[2].layers[-1] == "token_embedding"
+    x = {"token_ids": np.random.RandomState(1).randint(1, 32, (2, 8)).astype("int32"),
+         "padding_mask": np.ones((2, 8), "int32")}
+    np.testing.assert_allclose(_run_stages(model, stages, x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_balanced_partition_minimises_the_largest_stage():

@@ -50,13 +50,16 @@ from tfdist.compat.keras_internals import (
     compiled_config,
     keras_initializer_of,
     keras_mask,
+    keras_name_scopes_restored,
     keras_metric,
     keras_random_draws,
     keras_seed_tensor,
     keras_variable_of,
     model_layers,
+    functional_graph,
     move_variable,
-    symbolic_calls,
+    replay_functional,
+    standardize_inputs,
 )
 from tfdist.compat.keras_matplotlib import defer_keras_matplotlib
 from tfdist.compat.keras_optimizers import (
@@ -82,15 +85,16 @@ from tfdist.compat.tf_internals import (
 )
 
 __all__ = [
-    "COLLECTIVE_KEY_STRIDE", "KERAS_RANDOM_DRAWS", "VERIFIED", "UpstreamChanged",
-    "adam_slots", "align_ranks", "build_metric", "check_keras_variable_of",
-    "checkpoint_sharded_whole", "compiled_config", "coordination_key_value",
-    "custom_gradients_on_tape", "defer_keras_matplotlib", "disable_optimizer_all_reduce",
-    "dtensor_dataset_one_client_per_replica", "dtensor_fsdp_lowering",
+    "COLLECTIVE_KEY_STRIDE", "KERAS_RANDOM_DRAWS", "UpstreamChanged", "VERIFIED", "adam_slots",
+    "align_ranks", "build_metric", "check_keras_variable_of", "checkpoint_sharded_whole",
+    "compiled_config", "coordination_key_value", "custom_gradients_on_tape",
+    "defer_keras_matplotlib", "disable_optimizer_all_reduce",
+    "dtensor_dataset_one_client_per_replica", "dtensor_fsdp_lowering", "functional_graph",
     "gradient_overridden", "graph_custom_gradient", "graph_function", "is_sharded",
-    "keras_initializer_of", "keras_mask", "keras_metric", "keras_random_draws",
-    "keras_seed_tensor", "keras_variable_of", "model_layers", "move_variable",
-    "next_collective_key_base", "optimizer_slots", "optimizer_updates_sharded_variables",
-    "set_storage", "sharded_variable_type", "strategy_supports_no_merge_call",
-    "symbolic_calls", "update_checkpoint_state", "variable_index",
+    "keras_initializer_of", "keras_mask", "keras_name_scopes_restored", "keras_metric",
+    "keras_random_draws", "keras_seed_tensor", "keras_variable_of", "model_layers",
+    "move_variable", "next_collective_key_base", "optimizer_slots",
+    "optimizer_updates_sharded_variables", "replay_functional", "set_storage",
+    "sharded_variable_type", "standardize_inputs", "strategy_supports_no_merge_call",
+    "update_checkpoint_state", "variable_index",
 ]

@@ -323,19 +323,90 @@ def model_layers(model) -> list:
     return list(flatten(include_self=False, recursive=True))
 
 
-def symbolic_calls(layer) -> int:
-    """How many places of a functional graph call `layer` (symbolic calls).
+@contextlib.contextmanager
+def keras_name_scopes_restored():
+    """Keras's stack of name scopes as it was on entry, whatever happens inside.
 
-    What: Keras's private `Layer._inbound_nodes` (one node per symbolic call).
-    Why: a pipeline stage must own its layers (`tfdist/pipeline/split.py`), and
-    Keras 3's public `layer.input`/`layer.output` return the first call's
-    tensors without complaint when a layer is called at several places.
-    Verified: keras 3.15.1. Check: the attribute exists and is a list.
+    What: Keras's private global attribute "name_scope_stack" (keras
+    `backend.common.global_state`), which prefixes the path of every variable
+    made while a scope is on it. Why: a trace of a model that fails inside its
+    call (a subclassed model branching in Python on a tensor's value) leaves
+    the model's name scope on the stack, and every variable made afterwards
+    in the process is then named under it ("__branches_in_python/dense/
+    kernel"); tfdist traces a user's model to count its FLOPs and goes on when
+    that fails. Verified: keras 3.15.1. Check: the attribute is a list (or
+    not set yet).
     """
-    nodes = _require(layer, "_inbound_nodes", "keras Layer._inbound_nodes")
-    if not isinstance(nodes, list):
-        raise _changed("keras Layer._inbound_nodes", "is no longer a list")
-    return len(nodes)
+    from keras.src.backend.common import global_state
+    get = _require(global_state, "get_global_attribute",
+                   "keras backend.common.global_state.get_global_attribute")
+    stack = get("name_scope_stack")
+    if stack is not None and not isinstance(stack, list):
+        raise _changed("keras global_state name_scope_stack", "is no longer a list")
+    depth = len(stack or ())
+    try:
+        yield
+    finally:
+        stack = get("name_scope_stack")
+        if isinstance(stack, list) and len(stack) > depth:
+            del stack[depth:]
+
+
+def replay_functional(model, call) -> list:
+    """Run a functional model's graph on its own inputs, calling
+    `call(operation, *args, **kwargs)` at each node in the graph's order
+    instead of the operation: the model's outputs, as `call` returned them.
+
+    What: Keras's private `Function._run_through_graph(inputs, operation_fn,
+    call_fn)` (its `call_fn` hook) and `Sequential._functional` (a built
+    Sequential's graph). Why: a pipeline splits a model at the nodes of its
+    graph, looking through nested functional models (a keras-hub CausalLM
+    calls its backbone, a functional model, as one layer) and through layers
+    called at several places (tied embeddings): Keras 3 has no public graph
+    of calls, only `layer.input`/`layer.output`, which return a layer's first
+    call. Verified: keras 3.15.1. Check: both exist and the hook is called.
+    """
+    graph = functional_graph(model)
+    if graph is None:
+        raise _changed("keras Functional (a functional model's graph)",
+                       f"is not the class of {type(model).__name__}")
+    run = _require(graph, "_run_through_graph", "keras Function._run_through_graph")
+    called = []
+
+    def hooked(operation, *args, **kwargs):
+        called.append(operation)
+        return call(operation, *args, **kwargs)
+
+    outputs = run(list(graph.inputs), operation_fn=lambda operation: operation, call_fn=hooked)
+    if graph.operations and not called:
+        raise _changed("keras Function._run_through_graph", "no longer calls its call_fn")
+    return outputs
+
+
+def functional_graph(model):
+    """The keras `Functional` whose graph `model` runs: itself, a built
+    Sequential's inner one, or None for anything else (a subclassed model, a
+    layer). See `replay_functional`."""
+    from keras.src.models.functional import Functional
+    from keras.src.models.sequential import Sequential
+    if isinstance(model, Sequential):
+        model = _require(model, "_functional", "keras Sequential._functional")
+    return model if isinstance(model, Functional) else None
+
+
+def standardize_inputs(model, inputs) -> list:
+    """`inputs` as the flat list a functional `model` maps onto `model.inputs`
+    when called (dict keys matched to input names, tensors converted, ranks
+    aligned), as Keras does.
+
+    What: Keras's private `Functional._standardize_inputs`. Why: a pipeline
+    stage after the first reads only some of the model's inputs (keras-hub's
+    padding mask), so tfdist needs Keras's own mapping of the data onto the
+    inputs, not a guess at it. Verified: keras 3.15.1. Check: the method exists.
+    """
+    graph = functional_graph(model)
+    standardize = _require(graph, "_standardize_inputs", "keras Functional._standardize_inputs")
+    return list(standardize(inputs))
 
 
 def move_variable(variable, device: str) -> None:

@@ -114,10 +114,17 @@ def try_training_flops_per_example(model) -> Optional[int]:
     return None if by_op is None else TRAINING_PASSES * sum(by_op.values())
 
 
-def try_forward_flops_by_op(model) -> Optional[dict]:
-    """`forward_flops_by_op`, or None (with one warning line)."""
+def try_forward_flops_by_op(model, data_signature=None) -> Optional[dict]:
+    """`forward_flops_by_op`, or None (with one warning line). Where the
+    model's own inputs leave a dimension open (keras-hub's sequence length)
+    and `data_signature()` gives one example of the data (`tf.TensorSpec`s,
+    batch 1), the FLOPs are counted for the data's shapes."""
+    from tfdist import compat
     try:
-        return forward_flops_by_op(model)
+        signature = data_signature() if data_signature is not None and \
+            _leaves_a_length_open(model) else None
+        with compat.keras_name_scopes_restored():   # a failed trace leaves its scope
+            return forward_flops_by_op(model, signature)
     except Exception as error:  # noqa: BLE001 - whatever fails, the run goes on
         first_line = (str(error).strip().splitlines() or [""])[0]
         logging.warning("Cannot count the FLOPs of model %r (%s: %s); MFU will not be "
@@ -136,6 +143,13 @@ def mfu(examples_per_sec: float, flops_per_example: int, peak_tflops: float) -> 
     if peak_tflops <= 0:
         raise ValueError(f"peak_tflops must be positive, got {peak_tflops}")
     return model_tflops(examples_per_sec, flops_per_example) / peak_tflops
+
+
+def _leaves_a_length_open(model) -> bool:
+    """Whether one of the model's symbolic inputs has an open dimension
+    after the batch (so its FLOPs depend on the data's shape)."""
+    inputs = getattr(model, "inputs", None) or []
+    return any(d is None for t in inputs for d in tuple(t.shape)[1:])
 
 
 def _input_signature(model):

@@ -1,27 +1,37 @@
 """Splitting a Keras functional model into pipeline stages.
 
-A model splits where its graph narrows to one tensor: after layer k of the
-model's layers in graph order, if exactly one tensor made by the model's
-inputs or layers 0..k is read by a later layer or is a model output, the
-model is "cut-able" there. The segments between consecutive cut points are the
-*blocks* a stage boundary may fall between: a bundled transformer's decoder
-blocks (a block's own skip connections stay inside its layer), the mlp's
-dense layers, the cnn's residual blocks. A residual `Add` written with the
-functional API at the model's top level keeps both its branches in one block,
-so a split never cuts a skip connection.
+The split reads the model's graph of calls, looking through nested
+functional models (a keras-hub CausalLM calls its backbone as one layer):
+each call of a layer or Keras op, in the graph's order. A model splits
+where its graph narrows to one tensor: after call k, if exactly one tensor
+made by calls 0..k is read by a later call or is a model output, a stage
+boundary may fall there. The model's own inputs do not count: every stage
+reads them (across processes every worker of a pipeline replica reads the
+same batch), so keras-hub's padding mask, read by every decoder block, does
+not stop a split. The segments between consecutive cut points are the
+*blocks* a stage boundary may fall between: a decoder block (its skip
+connections stay inside its layer), the mlp's dense layers, the cnn's
+residual blocks. A residual `Add` written with the functional API keeps both
+its branches in one block, so a split never cuts a skip connection.
+
+A layer called at several places (tied embeddings: keras-hub's CausalLMs
+embed the tokens with `token_embedding` and compute the logits with the same
+layer reversed) belongs to every stage that calls it: its weights live on
+each of those stages, and the engine sums their gradients
+(`tfdist/strategies/pipeline/`), so the copies stay identical.
 
 `split(model, stages)` balances S contiguous groups of blocks by forward
 FLOPs (counted as `tfdist.observe.flops` counts them, per block), breaking
 ties by parameter bytes; `split(model, stages, names=[...])` starts stage s+1
 at the named layer instead (it must begin a block). Both refuse, in one line
-(`UsageError`), what cannot be split: a subclassed model, a layer called at
-more than one place, more stages than blocks, a name that is not a layer or
-is not at a cut point.
+(`UsageError`), what cannot be split: a subclassed model, more stages than
+blocks, a name that is not a layer or is not at a cut point.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Optional, Sequence
 
 from absl import logging
@@ -32,7 +42,7 @@ from tfdist.errors import UsageError
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """Consecutive layers (names, graph order) between two cut points, with
+    """Consecutive calls (their layers' names, graph order) between two cut points, with
     its input tensor's shape (batch excluded), its parameter count and bytes,
     and its forward FLOPs per example."""
     layers: tuple
@@ -50,7 +60,12 @@ class Stage:
 
     @property
     def layers(self) -> tuple:
+        """The names of the layers (and Keras ops) the stage calls, in order."""
         return tuple(name for block in self.blocks for name in block.layers)
+
+    @property
+    def calls(self) -> int:
+        return sum(len(block.layers) for block in self.blocks)
 
     @property
     def params(self) -> int:
@@ -65,100 +80,125 @@ class Stage:
         return sum(b.flops for b in self.blocks)
 
 
-def _flat(value) -> list:
+def flatten(value) -> list:
+    """The tensors of a nested structure (dicts by insertion order)."""
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _flat(v)]
+        return [t for v in value.values() for t in flatten(v)]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat(v)]
+        return [t for v in value for t in flatten(v)]
     return [] if value is None else [value]
 
 
-def _graph(model):
-    """(layers in graph order, each layer's input tensors, its output tensors)
-    for a functional model; `UsageError` for anything else."""
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a layer or Keras op in the model's graph: its arguments,
+    the tensors it reads among them and the tensors it makes (symbolic)."""
+    operation: object
+    args: tuple
+    kwargs: dict
+    reads: tuple
+    makes: tuple
+    outputs: object   # `makes` as the call returned them
+
+    @property
+    def name(self) -> str:
+        return self.operation.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """A functional model's calls in the graph's order, nested functional
+    models flattened: the model's inputs, its outputs (the tensors the last
+    calls make) and the calls."""
+    inputs: list
+    outputs: object
+    calls: list
+
+
+_GRAPHS = weakref.WeakKeyDictionary()   # model -> its Graph (one replay per model)
+
+
+def model_graph(model) -> Graph:
+    """`model`'s `Graph`; `UsageError` for anything but a functional model."""
+    if model in _GRAPHS:
+        return _GRAPHS[model]
+    import keras
     name = getattr(model, "name", type(model).__name__)
-    try:
-        inputs, outputs = _flat(model.inputs), _flat(model.outputs)
-    except (AttributeError, ValueError):
-        inputs = outputs = None
-    if not inputs or not outputs:
+    if compat.functional_graph(model) is None:
         raise UsageError(
             f"pipeline stages: model {name!r} ({type(model).__name__}) is not a functional "
             "Keras model (keras.Model(inputs, outputs) or keras.Sequential); a subclassed "
             "model has no graph of layers to split: build it with the functional API")
-    layers, reads, makes = [], [], []
-    for layer in model.layers:
-        if type(layer).__name__ == "InputLayer":
-            continue
-        calls = compat.symbolic_calls(layer)
-        if calls != 1:
-            raise UsageError(
-                f"pipeline stages: layer {layer.name!r} of model {name!r} is called at "
-                f"{calls} places of its graph; a pipeline stage must own its layers: give "
-                "each call a layer of its own")
-        layer_in, layer_out = _flat(layer.input), _flat(layer.output)
-        layers.append(layer)
-        reads.append(layer_in)
-        makes.append(layer_out)
-    return inputs, outputs, layers, reads, makes
+    calls = []
+
+    def call(operation, *args, **kwargs):
+        nested = compat.functional_graph(operation)
+        if nested is not None:   # look through it: its inputs are these arguments
+            # (Keras passes a nested model its masks as `mask=`: none here.)
+            given = keras.tree.flatten(args[0] if len(args) == 1 else list(args))
+            if len(given) != len(nested.inputs) or any(
+                    isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(kwargs)):
+                raise UsageError(
+                    f"pipeline stages: model {name!r} calls model {operation.name!r} with "
+                    f"{len(given)} tensor(s) for its {len(nested.inputs)} input(s); pass them "
+                    "as one list or dict in the order of its inputs")
+            return _replay(nested, given, call)
+        outputs = operation(*args, **kwargs)
+        reads = [t for t in keras.tree.flatten((args, kwargs)) if isinstance(t, keras.KerasTensor)]
+        calls.append(Call(operation, args, kwargs, tuple(reads), tuple(flatten(outputs)), outputs))
+        return outputs
+
+    inputs = list(compat.functional_graph(model).inputs)
+    found = Graph(inputs, compat.replay_functional(model, call), calls)
+    _GRAPHS[model] = found
+    return found
+
+
+def _replay(nested, given, call):
+    """The outputs of functional model `nested` called on tensors `given`
+    (one per input), each call of its graph made through `call`."""
+    import keras
+    by_input = {id(t): g for t, g in zip(nested.inputs, given)}
+
+    def inner(operation, *args, **kwargs):
+        args, kwargs = keras.tree.map_structure(
+            lambda t: by_input.get(id(t), t) if isinstance(t, keras.KerasTensor) else t,
+            (args, kwargs))
+        return call(operation, *args, **kwargs)
+
+    return compat.replay_functional(nested, inner)
 
 
 def cut_points(model) -> list:
-    """Indices k (into the layers `_graph` lists) after which exactly one tensor
-    crosses from layers 0..k (and the inputs) to the layers after k or to the
-    model's outputs: where a stage boundary may fall."""
-    return _cuts(*_graph(model))
+    """Indices k (into the graph's calls) after which exactly one tensor made
+    by calls 0..k is read by a later call or is a model output: where a stage
+    boundary may fall."""
+    return graph_cuts(model_graph(model))
 
 
-def _cuts(inputs, outputs, layers, reads, makes, crossing_tensors=None) -> list:
-    made_by = {id(t): -1 for t in inputs}
-    for k, tensors in enumerate(makes):
-        for t in tensors:
+def graph_cuts(graph: Graph, crossing_tensors=None) -> list:
+    made_by = {}
+    for k, call in enumerate(graph.calls):
+        for t in call.makes:
             made_by[id(t)] = k
-    end = len(layers)
-    # last_read[t]: the last position reading tensor t (end for a model output)
+    end = len(graph.calls)
+    # last_read[t]: the last call reading tensor t (end for a model output)
     last_read = {}
-    for j, tensors in enumerate(reads):
-        for t in tensors:
+    for j, call in enumerate(graph.calls):
+        for t in call.reads:
             last_read[id(t)] = max(last_read.get(id(t), -1), j)
-    for t in outputs:
+    for t in flatten(graph.outputs):
         last_read[id(t)] = end
+    tensors = {id(t): t for call in graph.calls for t in call.makes}
     cuts = []
-    for k in range(len(layers) - 1):
+    for k in range(end - 1):
         crossing = {key for key, made in made_by.items()
                     if made <= k and last_read.get(key, -1) > k}
         if len(crossing) == 1:
             cuts.append(k)
             if crossing_tensors is not None:
-                crossing_tensors[k] = crossing.pop()
+                crossing_tensors[k] = tensors[crossing.pop()]
     return cuts
-
-
-def stage_models(model, stages: list) -> list:
-    """One Keras model per stage, sharing `model`'s layers (and so its
-    variables): stage 0 takes the model's inputs, stage s its predecessor's
-    boundary tensor, and the last stage returns the model's outputs.
-
-    Keras builds these by cloning the graph's nodes between the boundary
-    tensors, which adds a symbolic call to each layer, so split first (the
-    split refuses layers called at several places): `split` then `stage_models`.
-    """
-    import keras
-    inputs, outputs, layers, reads, makes = _graph(model)
-    tensors = {id(t): t for group in [inputs, *makes] for t in group}
-    crossing = {}
-    _cuts(inputs, outputs, layers, reads, makes, crossing)
-    position = {layer.name: k for k, layer in enumerate(layers)}
-    built = []
-    stage_input = model.input
-    for s, stage in enumerate(stages):
-        if s == len(stages) - 1:
-            stage_output = model.output
-        else:
-            stage_output = tensors[crossing[position[stage.layers[-1]]]]
-        built.append(keras.Model(stage_input, stage_output, name=f"{model.name}_stage{s}"))
-        stage_input = stage_output
-    return built
 
 
 def blocks(model, count_flops: bool = True, input_signature=None) -> list:
@@ -166,32 +206,38 @@ def blocks(model, count_flops: bool = True, input_signature=None) -> list:
     for inputs like `input_signature` (one example's `tf.TensorSpec`s, batch
     1: the data's, where the model's own inputs leave a length open), else
     for the model's inputs."""
+    import keras
+
     from tfdist.observe import flops as flops_lib
-    graph = _graph(model)
-    inputs, _, layers, _, makes = graph
-    bounds = [-1, *_cuts(*graph), len(layers) - 1]
-    # One trace of the whole model, its FLOPs attributed to layers by name
-    # scope (a sub-model per block would add nodes to the model's layers).
-    per_layer = {}
+    graph = model_graph(model)
+    calls = graph.calls
+    crossing = {}
+    bounds = [-1, *graph_cuts(graph, crossing), len(calls) - 1]
+    # One trace of the whole (flattened) model, its FLOPs attributed to
+    # layers by name scope; a layer called at n places gets 1/n at each.
+    per_layer, times = {}, {}
+    for call in calls:
+        times[call.name] = times.get(call.name, 0) + 1
     if count_flops:
         try:
-            per_layer = flops_lib.layer_flops(model, [layer.name for layer in layers],
-                                              input_signature)
+            flat = keras.Model(graph.inputs, graph.outputs, name=model.name)
+            per_layer = flops_lib.layer_flops(flat, list(times), input_signature)
         except ValueError as error:   # e.g. a length the inputs leave open
             logging.warning("Cannot count the FLOPs of model %r's layers (%s); its pipeline "
                             "stages are balanced by parameter bytes.", model.name,
                             (str(error).strip().splitlines() or [""])[0])
     found = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        members = layers[start + 1:stop + 1]
-        first_in = inputs if start < 0 else makes[start]
-        params = sum(_size(w.shape) for layer in members for w in layer.weights)
-        param_bytes = sum(_size(w.shape) * _itemsize(w.dtype)
-                          for layer in members for w in layer.weights)
-        count = sum(per_layer.get(layer.name, 0) for layer in members)
+        members = calls[start + 1:stop + 1]
+        weights = list({id(w): w for call in members
+                        for w in getattr(call.operation, "weights", ())}.values())
+        params = sum(_size(w.shape) for w in weights)
+        param_bytes = sum(_size(w.shape) * _itemsize(w.dtype) for w in weights)
+        count = sum(per_layer.get(call.name, 0) // times[call.name] for call in members)
+        first_in = graph.inputs if start < 0 else [crossing[start]]
         shape = tuple(first_in[0].shape[1:]) if len(first_in) == 1 else \
             tuple(tuple(t.shape[1:]) for t in first_in)
-        found.append(Block(tuple(layer.name for layer in members), shape, params,
+        found.append(Block(tuple(call.name for call in members), shape, params,
                            param_bytes, count))
     return found
 
@@ -244,8 +290,11 @@ def _named_starts(model_name, found, names, stages) -> list:
         raise UsageError(f"pipeline_split={','.join(names)}: {stages} stages need "
                          f"{stages - 1} layer name(s) where stages 2..{stages} begin, got "
                          f"{len(names)}")
-    first = {b.layers[0]: i for i, b in enumerate(found)}
-    every = {name: i for i, b in enumerate(found) for name in b.layers}
+    first, every = {}, {}
+    for i, b in enumerate(found):
+        first.setdefault(b.layers[0], i)
+        for name in b.layers:
+            every.setdefault(name, i)
     starts = [0]
     for name in names:
         if name not in every:
