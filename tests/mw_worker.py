@@ -7,7 +7,8 @@ e.g. {"accum_steps": 4}; its "strategy" and "model" entries override StrategyCon
 and ModelConfig fields, e.g. {"strategy": {"mesh": "batch:2,model:2"}}, "data" DataConfig
 fields, "optimizer" OptimizerConfig fields; "skewed": true starts worker k from
 the initial weights + 0.05k (only the chief's broadcast makes them agree); "task" names
-a case of test_tasks.CASES: its model, data, loss and metrics; "nan": true feeds
+a case of test_tasks.CASES: its model, data, loss and metrics; "hub" names a
+keras-hub CausalLM of test_pipeline (its data too); "nan": true feeds
 test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
 OUT_DIR/weights-<worker>.npz and optimizer-<worker>.npz (its variables), summary-<worker>.json (and, under
 dtensor, predictions-<worker>.npy: the trained model's outputs on PROBE).
@@ -95,6 +96,7 @@ def _main(out_dir, strategy, steps, overrides):
     optimizer_fields = overrides.pop("optimizer", {})
     task = overrides.pop("task", None)
     nan = overrides.pop("nan", False)
+    hub = overrides.pop("hub", None)
     if overrides.pop("skewed", False):   # every worker but the chief starts elsewhere
         worker = json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"]
         initial = [a + 0.05 * worker for a in initial]
@@ -107,6 +109,17 @@ def _main(out_dir, strategy, steps, overrides):
         import tfdist
         from test_tasks import run_case
         result = run_case(tfdist.train, config, task, initial)
+    elif hub:
+        import tfdist
+        from test_pipeline import HUB_TOKENS, _hub_causal_lm, _hub_dataset_fn
+
+        def model_fn(spec):
+            model = _hub_causal_lm(hub)
+            model.set_weights(initial)
+            return model
+
+        result = tfdist.train(config, model_fn=model_fn, dataset_fn=_hub_dataset_fn,
+                              spec=HUB_TOKENS)
     elif nan:
         from test_nonfinite import nan_dataset_fn
         result = train_from(config, initial, dataset_fn=nan_dataset_fn)

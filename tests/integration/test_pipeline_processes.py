@@ -15,6 +15,7 @@ from tfdist import models   # (tests/common.py imports tfdist before TensorFlow 
 
 from common import IMAGE_SPEC, assert_weights_close, mw_config, train_from
 from test_nonfinite import nan_dataset_fn
+from test_pipeline import HUB_TOKENS, _hub_causal_lm, _hub_dataset_fn
 from conftest import BIN, REPO
 
 pytestmark = pytest.mark.integration
@@ -67,6 +68,13 @@ PROCESS_RUNS = {
     # data); every worker restores the step-4 checkpoint (each holds the
     # whole model while it restores), takes its stage from the chief, frees
     # the rest and goes on past the batch, as one device does.
+    # keras-hub's Gemma: its tied token embedding is on both stages (the
+    # tokens' embedding on stage 0, the logits on stage 1); its gradients are
+    # summed over all 4 workers, the others' over each stage's 2.
+    # Clipped by the whole model's norm, the shared weight counted once.
+    "keras-hub gemma, 2 stages x 2 replicas": {
+        "strategy": {"pipeline_stages": 2}, "hub": "gemma", "accum_steps": 2,
+        "steps_per_loop": 2, "optimizer": {"clip_grad_norm": 0.5}},
     "2 stages x 2 replicas, a NaN loss rolled back": {
         "strategy": {"pipeline_stages": 2}, "steps_per_loop": 4, "checkpoint_every": 4,
         "model_dir": "rolled_back", "train_steps": 12, "nan": True,
@@ -82,7 +90,12 @@ def process_runs(tmp_path_factory):
         model = dataclasses.replace(mw_config("default").model,
                                     **{"depth": 3, **overrides.get("model", {})})
         os.makedirs(directory / str(k))
-        initials[name] = models.build(model, IMAGE_SPEC).get_weights()
+        if "hub" in overrides:
+            import keras
+            keras.utils.set_random_seed(5)
+            initials[name] = _hub_causal_lm(overrides["hub"]).get_weights()
+        else:
+            initials[name] = models.build(model, IMAGE_SPEC).get_weights()
         np.savez(directory / str(k) / "initial.npz", *initials[name])
         if "starts_as" in overrides:   # not from its own initial weights: the checkpoint's
             initials[name] = initials[overrides["starts_as"]]
@@ -95,7 +108,7 @@ def process_runs(tmp_path_factory):
                      **{key: str(directory / overrides[key])
                         for key in ("model_dir", "export_dir") if key in overrides},
                      **{key: overrides[key] for key in ("train_steps", "checkpoint_every",
-                                                        "skewed", "nan", "on_nonfinite")
+                                                        "skewed", "nan", "on_nonfinite", "hub")
                         if key in overrides}})
     result = subprocess.run(
         [os.path.join(BIN, "tfdist-launch"), "--workers=4", "--", sys.executable,
@@ -113,7 +126,7 @@ def process_runs(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("name", list(PROCESS_RUNS))
+@pytest.mark.parametrize("name", [name for name, run in PROCESS_RUNS.items() if "hub" not in run])
 def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name, tmp_path):
     saved, initial, run, summary = process_runs[name]
     workers, slots = saved[0::2], saved[1::2]
@@ -189,3 +202,36 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
         exported = keras.saving.load_model(os.path.join(run["export_dir"], "model.keras"))
         for got, want in zip(exported.get_weights(), workers[0]):
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_layer_shared_by_two_stages_stays_one_across_processes(process_runs):
+    """keras-hub's Gemma on 2 stages x 2 replicas: every worker of both
+    stages holds the tied token embedding and ends with the same values (its
+    gradients summed over the 4 workers), the other weights are held by their
+    stage only, and the chief's model equals the same micro-batches
+    accumulated on one device."""
+    import tfdist
+    saved, initial, run, summary = process_runs["keras-hub gemma, 2 stages x 2 replicas"]
+    workers = saved[0::2]
+    assert summary["grad_norm"] > 0.5   # the clip bites
+    assert summary["stage_layers"][0][0] == summary["stage_layers"][1][-1] == "token_embedding"
+    embedding = 0   # the first weight: token_embedding/embeddings
+    assert workers[0][embedding].shape == initial[embedding].shape
+    for w in range(1, 4):
+        np.testing.assert_array_equal(workers[w][embedding], workers[0][embedding])
+    # Worker 2 runs stage 0 (of replica 1), worker 1 stage 1: each holds its
+    # stage's weights only (the others freed: empty); the embedding is on both.
+    held = [{k for k, a in enumerate(workers[w]) if a.size} for w in (2, 1)]
+    assert held[0] | held[1] == set(range(len(initial)))
+    assert held[0] & held[1] == {embedding}, held
+
+    def model_fn(spec):
+        model = _hub_causal_lm("gemma")
+        model.set_weights(initial)
+        return model
+
+    config = mw_config("default", 4, accum_steps=run["accum_steps"], jit_compile="off")
+    config = config.replace(optimizer=config.optimizer.replace(**run["optimizer"]))
+    single = tfdist.train(config, model_fn=model_fn, dataset_fn=_hub_dataset_fn, spec=HUB_TOKENS)
+    assert np.abs(workers[0][embedding] - initial[embedding]).max() > 1e-3
+    assert_weights_close(workers[0], single.model.get_weights(), atol=1e-5)

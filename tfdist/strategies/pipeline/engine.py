@@ -16,6 +16,7 @@ from tfdist import cluster, compat
 from tfdist.errors import UsageError, first_line
 from tfdist.pipeline import schedule as schedule_lib
 from tfdist.pipeline import split as split_lib
+from tfdist.pipeline import stages as stages_lib
 from tfdist.strategies.capabilities import LocalGradients, PipelineStages
 from tfdist.strategies.multi_worker.engine import MultiWorkerStrategy
 from tfdist.strategies.pipeline import step
@@ -40,10 +41,11 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         self.num_stages = stages = config.pipeline_stages
         self.stages = None          # `split.Stage`s, once placed
         self._stage_models = None
+        self._stage_outputs = None   # across processes: each stage's output for the data
         self._stage_variables = None
         self._microbatches = None
         self._timeline = None
-        self._stage_of = {}          # id(trainable variable) -> its stage
+        self._stages_of = {}         # id(variable) -> the stages holding it (first: its owner)
         self._released = set()       # ids of variables whose storage is freed here
         self._transfers = {}         # traced `gather_stages`/`scatter_stages`, by content
         spec = cluster.resolve(config.worker_hosts, config.task_index)
@@ -143,25 +145,62 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         names = list(self.config.pipeline_split) or None
         self.stages = split_lib.split(model, self.num_stages, names=names,
                                       input_signature=input_signature)
-        self._stage_models = split_lib.stage_models(model, self.stages)
+        self._stage_models = stages_lib.stage_models(model, self.stages)
         self._stage_variables = [m.trainable_variables for m in self._stage_models]
-        self._stage_of = {id(v): s for s, variables in enumerate(self._stage_variables)
-                          for v in variables}
+        # A variable on several stages (a layer they share) is owned by the
+        # first: it is kept there in one process, gathered from it and
+        # counted once in norms; every stage holding it sums its gradients.
+        self._stages_of = {}
+        for s, stage_model in enumerate(self._stage_models):
+            for variable in stage_model.variables:
+                stages = self._stages_of.setdefault(id(variable), [])
+                if s not in stages:
+                    stages.append(s)
+        self._check_shared()
         self._held = set()
         for s in self.local_stages:
             for variable in self._stage_models[s].variables:
                 self._held.add(id(variable))
-                if not self.processes:
+                if not self.processes and self._stages_of[id(variable)][0] == s:
                     compat.move_variable(variable, self.stage_device(s))
         self._prepare_timeline()
         if self.processes:
-            for s in range(self.num_stages - 1):
-                shape = self._stage_models[s].output.shape
-                if any(d is None for d in shape[1:]):
+            # What crosses between workers: shapes fixed after the batch (a
+            # length the model leaves open is the data's).
+            self._stage_outputs = stages_lib.data_outputs(model, self._stage_models,
+                                                         input_signature)
+            for s in range(self.num_stages):
+                for output in tf.nest.flatten(self._stage_outputs[s]):
+                    if any(d is None for d in output.shape[1:]):
+                        raise UsageError(
+                            f"pipeline stages across processes: stage {s} makes a tensor of "
+                            f"shape {tuple(output.shape)} even for the data's examples; its "
+                            "dimensions after the batch must be fixed (e.g. "
+                            "--sequence_length) to be sent between workers")
+
+    def _check_shared(self) -> None:
+        """Across processes each stage's workers hold their own copy of a
+        shared layer's variables: trainable ones stay equal (their gradients
+        are summed among those workers), but state a layer updates itself
+        (BatchNorm's statistics) would drift apart, so it is refused."""
+        if not self.processes:
+            return
+        for stage_model in self._stage_models:
+            for variable in stage_model.variables:
+                stages = self._stages_of[id(variable)]
+                if len(stages) > 1 and not variable.trainable:
                     raise UsageError(
-                        f"pipeline stages across processes: the tensor between stage {s} and "
-                        f"{s + 1} has shape {tuple(shape)}; its dimensions after the batch "
-                        "must be fixed (e.g. --sequence_length) to be sent between workers")
+                        f"pipeline stages across processes: variable {variable.path!r} is "
+                        f"used on stages {', '.join(map(str, stages))} and is not trainable "
+                        "(state its layer updates itself); across processes each stage "
+                        "would update its own copy: give each stage its own layer, or run "
+                        "the stages in one process (--virtual_devices)")
+
+    def shared_variables(self) -> dict:
+        """{id(variable): the stages holding it} for variables on more than
+        one stage (a layer the stages share)."""
+        return {key: tuple(stages) for key, stages in self._stages_of.items()
+                if len(stages) > 1}
 
     def _prepare_timeline(self) -> None:
         """With TFDIST_PIPELINE_TIMELINE=PREFIX (bench/pipeline.py), a worker

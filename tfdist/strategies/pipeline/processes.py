@@ -25,6 +25,7 @@ class StagesAcrossProcesses:
     each is the identity or does as without stages."""
 
     _gathered_at = None   # the step the chief last gathered every stage at
+    _updated = ()         # `updated_variables`, in order (across processes)
 
     # -- lifecycle hooks (`Strategy`): the stages onto the chief and back ----------
     def gather_state(self, state) -> None:
@@ -76,21 +77,46 @@ class StagesAcrossProcesses:
     def updated_variables(self, variables) -> list:
         if not self.processes:
             return list(variables)
-        return [v for v in variables if id(v) in self._held]
+        self._updated = [v for v in variables if id(v) in self._held]
+        return list(self._updated)
 
     def reduce_update(self, grads, counters):
         """The stage's gradients summed over its R pipeline replicas (one
-        collective per dtype among those R workers; none for R = 1), the
-        counters over all N workers (the loss and metrics are counted on the
-        last stage, zeros elsewhere)."""
+        collective per dtype among those R workers; none for R = 1), a shared
+        layer's over every worker of the stages holding it (`_SharedGroup`),
+        the counters over all N workers (the loss and metrics are counted on
+        the last stage, zeros elsewhere). `grads` follow `updated_variables`
+        (twice over where regularization's gradients are kept apart)."""
         counters = self.all_reduce_sum([counters])[0]
-        if self.pipeline_replicas == 1:
-            return list(grads), counters
-        return _StageGroup(self).all_reduce_sum(grads), counters
+        grads = list(grads)
+        variables = self._variables_of(grads)
+        shared = self.shared_variables()
+        groups = {}   # the stages holding a variable -> positions in grads
+        for k, variable in enumerate(variables):
+            groups.setdefault(shared.get(id(variable), ()), []).append(k)
+        summed = list(grads)
+        for stages, positions in groups.items():
+            if stages:
+                group = _SharedGroup(self, stages)
+            elif self.pipeline_replicas > 1:
+                group = _StageGroup(self)
+            else:
+                continue
+            for k, value in zip(positions, group.all_reduce_sum([grads[k] for k in positions])):
+                summed[k] = value
+        return summed, counters
+
+    def _variables_of(self, grads) -> list:
+        """The variable of each of `grads` (`updated_variables`' order, twice
+        over where regularization's gradients are kept apart)."""
+        return self._updated * (len(grads) // max(1, len(self._updated)))
 
     def global_norm(self, grads):
-        """Each stage's squared norm from its replica 0, summed over all workers."""
-        squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads]
+        """Each stage's squared norm from its replica 0, summed over all
+        workers; a shared layer's gradients counted on its first stage only."""
+        own = [g for g, v in zip(grads, self._variables_of(grads))
+               if self._stages_of[id(v)][0] == self.stage]
+        squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in own]
                            or [tf.zeros([])])
         if self.replica:
             squares = tf.zeros_like(squares)
@@ -197,12 +223,14 @@ class StagesAcrossProcesses:
         process by 1 GB."""
         me, done = self._worker_index, []
         for k, (variable, owner) in enumerate(pairs):
-            stage = self._stage_of[id(owner)]
+            stage = self._stages_of[id(owner)][0]
             if kind == "gather":
                 moves = [(stage, 0, _Transfer.GATHER_GROUP_BASE + stage)] if stage else []
-            else:
+            else:   # to every worker of every stage holding it
                 moves = [(0, worker, _Transfer.SCATTER_GROUP_BASE + worker)
-                         for worker in range(stage, self._num_workers, self.num_stages) if worker]
+                         for held_by in self._stages_of[id(owner)]
+                         for worker in range(held_by, self._num_workers, self.num_stages)
+                         if worker]
             for sender, receiver, group in moves:
                 if me in (sender, receiver):
                     with tf.control_dependencies(done[-1:]):
@@ -234,7 +262,8 @@ class StagesAcrossProcesses:
                              instance_base=_Transfer.EVAL_INSTANCE_BASE)
         with tf.name_scope(f"stage{stage}_E0"):
             source = x if stage == 0 else transfer.receive_activation(stage, 0)
-            out = self._stage_models[stage](source, training=False)
+            out = self._stage_models[stage](None if stage == 0 else source, x,
+                                            training=False)
             if stage == last:
                 return out, []
             return None, [transfer.send_activation(stage, 0, out)]
@@ -280,7 +309,7 @@ class _Transfer:
         return self.GROUP_BASE + self._replica * self._strategy.num_stages + first
 
     def _dtype(self, first: int):
-        return tf.as_dtype(self._strategy._stage_models[first].output.dtype)
+        return tf.as_dtype(self._strategy._stage_outputs[first].dtype)
 
     def _wire(self, first: int):
         """The dtype a boundary tensor travels in: TensorFlow's collectives
@@ -296,12 +325,12 @@ class _Transfer:
             timeout_seconds=self._timeout)
 
     def _receive(self, first: int, instance: int):
-        boundary = self._strategy._stage_models[first].output
+        boundary = self._strategy._stage_outputs[first].shape[1:]
         # Outside the stage's chain: every receive is posted when the step
         # starts, so the neighbour's send completes as soon as it runs and a
         # transfer's latency hides behind this stage's other items.
         with tf.control_dependencies(None):
-            shape = tf.concat([[self._rows], tf.constant(boundary.shape[1:], tf.int32)], 0)
+            shape = tf.concat([[self._rows], tf.constant(boundary, tf.int32)], 0)
             received = tf.raw_ops.CollectiveBcastRecvV2(
                 group_size=2, group_key=self._group(first),
                 instance_key=self._instance_base + instance, shape=shape, T=self._wire(first),
@@ -330,6 +359,8 @@ class _StageGroup:
 
     def __init__(self, strategy: PipelineStrategy):
         self._strategy = strategy
+        self.size = strategy.pipeline_replicas
+        self.key = self.GROUP_BASE + strategy.stage
 
     def all_reduce_sum(self, tensors) -> list:
         instances = itertools.count(self.INSTANCE_BASE)   # one per dtype
@@ -342,9 +373,25 @@ class _StageGroup:
         wire = tf.float32 if dtype == tf.bfloat16 else dtype
         flat = tf.concat([tf.reshape(tf.cast(t, wire), [-1]) for t in tensors], 0)
         summed = tf.raw_ops.CollectiveReduceV2(
-            input=flat, group_size=self._strategy.pipeline_replicas,
-            group_key=self.GROUP_BASE + self._strategy.stage, instance_key=instance_key,
+            input=flat, group_size=self.size, group_key=self.key, instance_key=instance_key,
             ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
             timeout_seconds=float(self._strategy.config.collective_timeout_s))
         parts = tf.split(summed, [t.shape.num_elements() for t in tensors])
         return [tf.cast(tf.reshape(part, t.shape), dtype) for part, t in zip(parts, tensors)]
+
+
+class _SharedGroup(_StageGroup):
+    """Every worker of the stages that hold a shared layer (tied embeddings:
+    stage 0 and the last), across all pipeline replicas: the layer's
+    gradients summed among them, so each stage's copy takes the same update.
+    One group per set of stages, its key the set's place among the model's
+    sets (the same on every worker: the split is)."""
+
+    GROUP_BASE = _StageGroup.GROUP_BASE + (1 << 15)
+    INSTANCE_BASE = _StageGroup.INSTANCE_BASE + (1 << 15)
+
+    def __init__(self, strategy: PipelineStrategy, stages: tuple):
+        super().__init__(strategy)
+        self.size = len(stages) * strategy.pipeline_replicas
+        self.key = self.GROUP_BASE + sorted(set(strategy.shared_variables().values())).index(
+            stages)

@@ -72,7 +72,7 @@ class _ReplicaItems:
         rows = tf.shape(tf.nest.flatten(y_0)[0])[0]
         stand_in = tf.nest.map_structure(
             lambda t: tf.zeros(tf.concat([[rows], t.shape[1:]], 0), t.dtype),
-            self.strategy._stage_models[self.last_stage].output)
+            self.strategy._stage_outputs[self.last_stage])
         _, shape_of, _ = self.losses.loss(y_0, stand_in, w_0)
         return tf.zeros_like(shape_of)
 
@@ -114,7 +114,7 @@ class _ReplicaItems:
         with tf.GradientTape(persistent=True) as tape:
             if s > 0:
                 tape.watch(source)
-            out = stage_model(source, training=True)
+            out = stage_model(source if s > 0 else None, x_i, training=True)
             reg = None
             if stage_model.losses:
                 # The trainer's share is per step copy and micro-batch;
@@ -150,11 +150,10 @@ class _ReplicaItems:
         out = self.outputs.pop((s, i))
         source = self.inputs.pop((s, i))
         sources = list(variables) + ([source] if s > 0 else [])
-        zero = tf.UnconnectedGradients.ZERO
         if s == self.last_stage:
             if self.timed:   # its input, the loss, is there from the start
                 self.stamps.append(self.stamps[-1])
-            got = tape.gradient(out, sources, unconnected_gradients=zero)
+            got = tape.gradient(out, sources)
         else:
             seed = self._mark(self.input_grads.pop((s + 1, i)) if s + 1 in self.here else
                               self.transfer.receive_gradient(s, i))
@@ -162,9 +161,8 @@ class _ReplicaItems:
             if reg is not None and not self.apart:
                 targets.append(self.losses.scale(reg))
                 seeds.append(tf.ones_like(targets[-1]))
-            got = tape.gradient(targets, sources, output_gradients=seeds,
-                                unconnected_gradients=zero)
-        got = [tf.convert_to_tensor(g) for g in got]
+            got = tape.gradient(targets, sources, output_gradients=seeds)
+        got = _dense(got, sources)
         _add(self.grads, variables, got)
         done = [self.grads[id(v)] for v in variables]
         if s > 0:
@@ -174,8 +172,8 @@ class _ReplicaItems:
                 self.sends.append(self.transfer.send_gradient(s, i, got[-1]))
             done.append(got[-1])
         if reg is not None and self.apart:
-            extra = tape.gradient(self.losses.scale(reg), variables, unconnected_gradients=zero)
-            _add(self.separate, variables, [tf.convert_to_tensor(g) for g in extra])
+            extra = tape.gradient(self.losses.scale(reg), variables)
+            _add(self.separate, variables, _dense(extra, variables))
         del tape
         return done
 
@@ -193,6 +191,16 @@ class _ReplicaItems:
         if self.apart is False or not separate:
             separate = {}
         return grads, self.counters, separate
+
+
+def _dense(grads, sources) -> list:
+    """`grads` as dense tensors, zeros where a source is not connected (a
+    shared layer's variable this stage's calls do not read: an untied
+    embedding's reverse projection on stage 0). Not TensorFlow's
+    `UnconnectedGradients.ZERO`, which cannot make zeros for a Keras variable
+    (its dtype is a string)."""
+    return [tf.zeros(source.shape, tf.as_dtype(source.dtype)) if g is None else
+            tf.convert_to_tensor(g) for g, source in zip(grads, sources)]
 
 
 def _add(sums: dict, variables, grads) -> None:
