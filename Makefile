@@ -65,7 +65,7 @@ test: $(STAMP) iproute2
 # with --train_steps=2 (tests/docs/; blocks needing horovodrun, Slurm, two
 # hosts, a GPU or root are skipped with their reason). Within 10 minutes on 2 cores.
 doctest: $(STAMP)
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=10 -p no:cacheprovider tests/docs
+	$(BIN)/python -m pytest -q -rs -n 2 --dist load --durations=10 -p no:cacheprovider tests/docs
 
 # The unit tests alone (tests/unit/: one process, no training run; about 20 s here).
 unit: $(STAMP)

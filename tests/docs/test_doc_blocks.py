@@ -99,29 +99,42 @@ def _page_dir(tmp_path_factory, worker_id, path: str) -> str:
     return directory
 
 
-CASES = [pytest.param(path, line, language, code, skip, id=f"{path}:{line}",
-                      marks=pytest.mark.xdist_group(path))
-         for path in doc_files() for line, language, code, skip in blocks(path)]
+# One test per page, its blocks run in the page's order in one directory (a
+# block reads what the blocks before it wrote): xdist distributes pages, not
+# blocks. (pytest-xdist 3.8's `--dist loadgroup` did not keep a page's blocks
+# on one worker here: its group suffix never reached the workers' node ids.)
+PAGES = [pytest.param(path, id=path) for path in doc_files()
+         if any(not skip for _, _, _, skip in blocks(path))]
+SKIPPED = [pytest.param(path, line, skip, id=f"{path}:{line}")
+           for path in doc_files() for line, _, _, skip in blocks(path) if skip]
 
 
-@pytest.mark.parametrize("path,line,language,code,skip", CASES)
-def test_the_block_runs(tmp_path_factory, worker_id, data_dir, path, line, language, code,
-                        skip):
-    if skip:
-        pytest.skip(f"{path}:{line}: {skip}")
+@pytest.mark.timeout(1800)   # a page's blocks, one after another
+@pytest.mark.parametrize("path", PAGES)
+def test_the_page_runs(tmp_path_factory, worker_id, data_dir, path):
+    """Every block of the page not marked skip, in order."""
     cwd = _page_dir(tmp_path_factory, worker_id, path)
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
            "TF_CPP_MIN_LOG_LEVEL": "2", "TFDS_DATA_DIR": data_dir,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    if language == "sh":
-        command = ["bash", "-euo", "pipefail", "-c", small_shell(code)]
-    else:
-        command = [sys.executable, "-c", small_python(code)]
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=BLOCK_TIMEOUT_S)
-    assert result.returncode == 0, (
-        f"{path}:{line} exited {result.returncode}\n--- ran:\n{command[-1]}\n--- stderr "
-        f"(end):\n{result.stderr[-3000:]}\n--- stdout (end):\n{result.stdout[-1500:]}")
+    for line, language, code, skip in blocks(path):
+        if skip:
+            continue
+        if language == "sh":
+            command = ["bash", "-euo", "pipefail", "-c", small_shell(code)]
+        else:
+            command = [sys.executable, "-c", small_python(code)]
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                                timeout=BLOCK_TIMEOUT_S)
+        assert result.returncode == 0, (
+            f"{path}:{line} exited {result.returncode}\n--- ran:\n{command[-1]}\n--- stderr "
+            f"(end):\n{result.stderr[-3000:]}\n--- stdout (end):\n{result.stdout[-1500:]}")
+
+
+@pytest.mark.parametrize("path,line,skip", SKIPPED)
+def test_a_skipped_block_says_why(path, line, skip):
+    """Listed by `-rs` with its reason."""
+    pytest.skip(f"{path}:{line}: {skip}")
 
 
 def test_the_doc_shrinking_is_what_it_says():
