@@ -6,10 +6,16 @@ Loads OUT_DIR/initial.npz, trains (TrainConfig fields overridden by the JSON,
 e.g. {"accum_steps": 4}; its "strategy" and "model" entries override StrategyConfig
 and ModelConfig fields, e.g. {"strategy": {"mesh": "batch:2,model:2"}}, "data" DataConfig
 fields, "optimizer" OptimizerConfig fields; "skewed": true starts worker k from
-the initial weights + 0.05k (only the chief's broadcast makes them agree); "task" names
+the initial weights + 0.05k (only the chief's broadcast makes them agree; under
+the pipeline, replica r's workers from + 0.05r: each stage's replicas take its
+first worker's weights); "task" names
 a case of test_tasks.CASES: its model, data, loss and metrics; "hub" names a
-keras-hub CausalLM of test_pipeline (its data too); "nan": true feeds
+keras-hub CausalLM of test_pipeline (its data too); "whole_build": true gives a
+model_fn that fails unless variables have storage (a pipeline then builds the
+model whole); "nan": true feeds
 test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
+(under the pipeline, made-<worker>.json: the elements of storage made for
+trainable variables, and those held at the end) and
 OUT_DIR/weights-<worker>.npz and optimizer-<worker>.npz (its variables), summary-<worker>.json (and, under
 dtensor, predictions-<worker>.npy: the trained model's outputs on PROBE).
 Errors end the process as tfdist-train's do (`tfdist.app.run`): a fault is one
@@ -33,7 +39,7 @@ import numpy as np
 # (tests/integration/: test_tasks, test_nonfinite).
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")]
-from common import IMAGE_SPEC, mw_config, train_from  # noqa: E402
+from common import IMAGE_SPEC, image_dataset_fn, mw_config, train_from  # noqa: E402
 
 # Host inputs for the trained model's predictions (OUT_DIR/predictions-<worker>.npy).
 PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).astype(np.float32)
@@ -97,14 +103,47 @@ def _main(out_dir, strategy, steps, overrides):
     task = overrides.pop("task", None)
     nan = overrides.pop("nan", False)
     hub = overrides.pop("hub", None)
+    whole = overrides.pop("whole_build", False)
     if overrides.pop("skewed", False):   # every worker but the chief starts elsewhere
         worker = json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"]
+        if strategy == "pipeline":   # but each stage's first worker, whose values its replicas take
+            worker //= strategy_fields.get("pipeline_stages", 1)
         initial = [a + 0.05 * worker for a in initial]
     config = mw_config(strategy, int(steps), **overrides)
     config = config.replace(strategy=dataclasses.replace(config.strategy, **strategy_fields),
                             model=dataclasses.replace(config.model, **model_fields),
                             data=dataclasses.replace(config.data, **data_fields),
                             optimizer=dataclasses.replace(config.optimizer, **optimizer_fields))
+    index = os.environ.get("HOROVOD_RANK") or str(
+        json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"])
+    if strategy != "pipeline":
+        _save(out_dir, strategy, index, _train(config, initial, task, hub, nan, whole))
+        return
+    made = []   # elements of storage made for trainable tf.Variables (eagerly), this run
+    with _trainable_storage_counted(made):
+        result = _train(config, initial, task, hub, nan, whole)
+    with open(os.path.join(out_dir, f"made-{index}.json"), "w") as f:
+        json.dump({"trainable_made": sum(made),
+                   "trainable_held": sum(int(np.size(v.numpy()))
+                                         for v in result.model.trainable_variables)}, f)
+    _save(out_dir, strategy, index, result)
+
+
+def _trainable_storage_counted(made):
+    """A variable creator under every other (entered first): the elements of
+    each trainable tf.Variable made eagerly, as made (empty where it was made
+    without storage), appended to `made`."""
+    import tensorflow as tf
+
+    def creator(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        if variable.trainable and tf.executing_eagerly():
+            made.append(int(tf.size(variable.read_value())))
+        return variable
+    return tf.variable_creator_scope(creator)
+
+
+def _train(config, initial, task, hub, nan, whole):
     if task:
         import tfdist
         from test_tasks import run_case
@@ -123,10 +162,27 @@ def _main(out_dir, strategy, steps, overrides):
     elif nan:
         from test_nonfinite import nan_dataset_fn
         result = train_from(config, initial, dataset_fn=nan_dataset_fn)
+    elif whole:   # a model_fn that fails where no variable has storage (any reason)
+        import tfdist
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+        from tfdist import models
+
+        def model_fn(spec):
+            if in_stateless_scope():
+                raise ValueError("this model_fn reads a weight's storage while it builds")
+            model = models.build(config.model, spec)
+            model.set_weights(initial)
+            return model
+
+        result = tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn,
+                              spec=IMAGE_SPEC)
     else:
         result = train_from(config, initial)
-    index = os.environ.get("HOROVOD_RANK") or str(
-        json.loads(os.environ.get("TF_CONFIG", '{"task":{"index":0}}'))["task"]["index"])
+    return result
+
+
+def _save(out_dir, strategy, index, result):
     np.savez(os.path.join(out_dir, f"weights-{index}.npz"), *result.model.get_weights())
     np.savez(os.path.join(out_dir, f"optimizer-{index}.npz"),
              *[v.numpy() for v in result.optimizer.variables])

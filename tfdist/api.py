@@ -267,12 +267,15 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
         sharded.set_layout_rules(sharding.as_layout_rules(layout_rules))
     precision = Precision(config.train.precision,
                           loss_scale_growth_steps=config.train.loss_scale_growth_steps)
-    keras.utils.set_random_seed(config.train.seed)
-    with strategy.scope():
+    pipeline = capability(strategy, PipelineStages)
+
+    def build():
+        keras.utils.set_random_seed(config.train.seed)
         with precision.policy_scope():
-            model = model_fn(inputs.spec) if model_fn else models.build(config.model,
-                                                                         inputs.spec)
-        pipeline = capability(strategy, PipelineStages)
+            return model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+
+    with strategy.scope():
+        model = pipeline.build_model(build) if pipeline else build()
         if pipeline:   # stages on their devices, before the optimizer's slots are made
             pipeline.place_model(model, _example_signature(inputs))
         optimizer = precision.wrap_optimizer(optimizers.create(

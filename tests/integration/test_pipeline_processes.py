@@ -35,8 +35,9 @@ pytestmark = pytest.mark.integration
 PROCESS_RUNS = {
     # The clip bites: a worker clipping by its own stage's norm instead ended
     # 1e-2 away from one device (tried), far outside the tolerance.
-    # Each worker but the chief starts from other weights ("skewed"): only
-    # the chief's, sent to each worker for its stage, give one device's result.
+    # Each process builds only its stage's weights, and the second replica's
+    # workers start from other weights ("skewed"): only each stage's first
+    # worker's, sent to the stage's other replica, give one device's result.
     "2 stages x 2 replicas, 1f1b, adam, clip": {
         "strategy": {"pipeline_stages": 2}, "skewed": True,
         "optimizer": {"name": "adam", "learning_rate": 0.01, "clip_grad_norm": 0.1},
@@ -57,9 +58,13 @@ PROCESS_RUNS = {
     # the other stages), trains on to step 6 — the same weights as 6 steps
     # in one go on one device (the input positions are restored too) — and
     # exports the chief's whole model.
+    # Its model_fn fails where variables have no storage, so the model cannot
+    # be built without it: every process builds it whole (the control of
+    # `test_each_process_makes_storage_for_its_stage_only`); the next run
+    # builds by stage and resumes from its checkpoint.
     "2 stages x 2 replicas, checkpoint every 2 steps": {
         "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
-        "model_dir": "checkpointed"},
+        "model_dir": "checkpointed", "whole_build": True},
     "the same, resumed at step 4 to step 6, exported": {
         "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
         "model_dir": "checkpointed", "train_steps": 6, "export_dir": "exported",
@@ -108,7 +113,8 @@ def process_runs(tmp_path_factory):
                      **{key: str(directory / overrides[key])
                         for key in ("model_dir", "export_dir") if key in overrides},
                      **{key: overrides[key] for key in ("train_steps", "checkpoint_every",
-                                                        "skewed", "nan", "on_nonfinite", "hub")
+                                                        "skewed", "nan", "on_nonfinite", "hub",
+                                                        "whole_build")
                         if key in overrides}})
     result = subprocess.run(
         [os.path.join(BIN, "tfdist-launch"), "--workers=4", "--", sys.executable,
@@ -120,10 +126,39 @@ def process_runs(tmp_path_factory):
     for k, name in enumerate(PROCESS_RUNS):
         with open(directory / str(k) / "summary-0.json") as f:
             summary = json.load(f)
+        made = []
+        for w in range(4):
+            with open(directory / str(k) / f"made-{w}.json") as f:
+                made.append(json.load(f))
         found[name] = ([list(np.load(directory / str(k) / f"{kind}-{w}.npz").values())
                         for w in range(4) for kind in ("weights", "optimizer")],
-                       initials[name], runs[k], summary)
+                       initials[name], {**runs[k], "made": made}, summary)
     return found
+
+
+def test_each_process_makes_storage_for_its_stage_only(process_runs):
+    """Storage made for trainable variables (counted by a variable creator
+    under tfdist's, in each worker) is the worker's own stage's, in every
+    process of every run: no process makes, or receives at build, another
+    stage's weights (the chief gathers them only to checkpoint and at the
+    end, where it holds the whole model, and builds a copy to export). Worker 0 (stage 0) made what
+    worker S (stage 0 of replica 1) holds. The control: a model_fn that fails
+    where variables have no storage makes every process build the model
+    whole (as in one process), and the same check finds it made in each."""
+    for name, (saved, initial, run, summary) in process_runs.items():
+        made = [m["trainable_made"] for m in run["made"]]
+        held = [m["trainable_held"] for m in run["made"]]
+        stages, whole = run["strategy"]["pipeline_stages"], held[0]
+        if run.get("whole_build"):   # the control
+            assert made == [whole] * 4 and max(held[1:]) < whole, (name, made, held)
+            continue
+        if "export_dir" in run:   # the chief builds the model to export from its whole one
+            made[0] -= whole
+        assert 0 < made[0] < whole, (name, made, held)
+        if stages < 4:
+            assert made[0] == held[stages], (name, made, held)
+        for w in range(1, 4):
+            assert made[w] == held[w] < whole, (name, w, made, held)
 
 
 @pytest.mark.parametrize("name", [name for name, run in PROCESS_RUNS.items() if "hub" not in run])

@@ -681,6 +681,81 @@ def test_set_storage_check():
     assert_one_line_change(raised, "handle")
 
 
+def _two_layers(made_from_a_value=False):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="b")(
+        keras.layers.Dense(4, name="a")(inputs)))
+    if made_from_a_value:   # as keras-hub's tasks compile themselves
+        keras.optimizers.Adam()   # its step counter is made from 0
+    return model
+
+
+def test_build_without_storage():
+    # No variable has storage; each given it later holds what a normal build
+    # with the same seed holds, bit for bit, in any order; values the build
+    # assigned are returned (and given); a variable made from a value is
+    # made. The controls: a plain StatelessScope refuses that variable, and a
+    # later default StatelessScope's exit initialises nothing left listed.
+    keras.utils.set_random_seed(3)
+    expected = [v.numpy() for v in _two_layers().weights]
+    keras.utils.set_random_seed(3)
+
+    def build():
+        model = _two_layers(made_from_a_value=True)
+        model.get_layer("b").bias.assign(np.full((2,), 7.0, np.float32))
+        return model
+
+    model, made, assigned = compat.build_without_storage(build)
+    assert {id(v) for v in model.weights} <= {id(v) for v in made}
+    assert all(v._value is None for v in made)
+    with keras.StatelessScope():
+        pass
+    assert all(v._value is None for v in made)
+    bias = model.get_layer("b").bias
+    assert list(assigned) == [id(bias)]
+    for variable in reversed(made):
+        compat.give_storage(variable, assigned.get(id(variable)))
+    expected[3] = np.full((2,), 7.0, np.float32)
+    for variable, want in zip(model.weights, expected):
+        np.testing.assert_array_equal(variable.numpy(), want)
+    with pytest.raises(ValueError, match="stateless scope"):
+        with keras.StatelessScope(initialize_variables=False):
+            _two_layers(made_from_a_value=True)
+
+
+def test_build_without_storage_check():
+    from keras.src.backend.common import global_state
+    before = global_state.get_global_attribute("uninitialized_variables")
+    global_state.set_global_attribute("uninitialized_variables", "not a list")
+    try:
+        with pytest.raises(compat.UpstreamChanged) as raised:
+            compat.build_without_storage(_two_layers)
+    finally:
+        global_state.set_global_attribute("uninitialized_variables", before)
+    assert_one_line_change(raised, "uninitialized_variables")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.give_storage(object())
+    assert_one_line_change(raised, "_deferred_initialize")
+
+
+def test_created_without_broadcast_check_and_empty_variables():
+    # The creator below must receive the strategy's broadcasting
+    # initial_value_fn: without a MultiWorkerMirroredStrategy's scope it
+    # receives Keras's own value and fails in one line. An EMPTY variable
+    # has the static shape asked for and holds an empty tensor until filled.
+    for choice in (compat.LOCAL, (compat.EMPTY, (3, 4))):
+        with compat.created_without_broadcast(contextlib.nullcontext(), lambda: choice):
+            with pytest.raises(compat.UpstreamChanged) as raised:
+                keras.Variable(initializer="zeros", shape=(3, 4))
+        assert_one_line_change(raised, "initial_value_fn")
+    from tfdist.compat import tf_internals
+    empty = tf_internals._empty_variable((3, 4), {"dtype": "float32", "name": "e"})
+    stored = tf.raw_ops.ReadVariableOp(resource=empty.handle, dtype=tf.float32)
+    assert tuple(empty.shape) == (3, 4) and tuple(stored.shape) == (0,)
+    compat.set_storage(empty, tf.ones([3, 4]))
+    np.testing.assert_array_equal(empty.numpy(), np.ones((3, 4), np.float32))
+
+
 def test_gradient_overridden_takes_effect_in_its_scope_only():
     """The DTensor engine's depthwise gradient is TensorFlow's registered one
     only inside the scope, and undone after."""

@@ -21,6 +21,8 @@ callers write `compat.<name>`:
 - `dtensor_internals.py`: TensorFlow's DTensor (its dataset, its compiler's
   environment switches).
 - `keras_optimizers.py`: Keras 3's optimizers.
+- `keras_stages.py`: Keras 3 for pipeline stages (a functional model's graph
+  of calls, variables placed, a model built without storage).
 - `keras_internals.py`: the rest of Keras 3 (variables, layers, losses,
   metrics, random draws).
 - `keras_matplotlib.py`: start-up, Keras's eager import of matplotlib.
@@ -56,12 +58,16 @@ from tfdist.compat.keras_internals import (
     keras_seed_tensor,
     keras_variable_of,
     model_layers,
+)
+from tfdist.compat.keras_matplotlib import defer_keras_matplotlib
+from tfdist.compat.keras_stages import (
+    build_without_storage,
     functional_graph,
+    give_storage,
     move_variable,
     replay_functional,
     standardize_inputs,
 )
-from tfdist.compat.keras_matplotlib import defer_keras_matplotlib
 from tfdist.compat.keras_optimizers import (
     adam_slots,
     disable_optimizer_all_reduce,
@@ -78,6 +84,9 @@ from tfdist.compat.tf_internals import (
     graph_function,
     is_sharded,
     next_collective_key_base,
+    EMPTY,
+    LOCAL,
+    created_without_broadcast,
     set_storage,
     sharded_variable_type,
     strategy_supports_no_merge_call,
@@ -86,7 +95,8 @@ from tfdist.compat.tf_internals import (
 
 __all__ = [
     "COLLECTIVE_KEY_STRIDE", "KERAS_RANDOM_DRAWS", "UpstreamChanged", "VERIFIED", "adam_slots",
-    "align_ranks", "build_metric", "check_keras_variable_of", "checkpoint_sharded_whole",
+    "EMPTY", "LOCAL", "align_ranks", "build_metric", "build_without_storage",
+    "created_without_broadcast", "give_storage", "check_keras_variable_of", "checkpoint_sharded_whole",
     "compiled_config", "coordination_key_value", "custom_gradients_on_tape",
     "defer_keras_matplotlib", "disable_optimizer_all_reduce",
     "dtensor_dataset_one_client_per_replica", "dtensor_fsdp_lowering", "functional_graph",

@@ -286,3 +286,74 @@ def set_storage(variable, value) -> None:
         raise _changed("AssignVariableOp(validate_shape=False) on a resource variable",
                        f"stored shape {stored.shape}, not the value's")
     return None
+
+
+LOCAL, EMPTY = "local", "empty"   # `created_without_broadcast`'s choices
+
+
+@contextlib.contextmanager
+def created_without_broadcast(strategy_scope, decide):
+    """Enter `strategy_scope`, a MultiWorkerMirroredStrategy's, so that each
+    variable made while `decide()` returns LOCAL or (EMPTY, shape) skips the
+    strategy's broadcast of the chief's initial value: LOCAL, this process's
+    own initial value; EMPTY, no storage (an empty tensor, as `set_storage`
+    leaves a variable it frees; the static shape is `shape`, so traces of
+    the model still see it). While `decide()` returns None, variables are
+    made as usual. Every process must make the same choices for the same
+    variables, in the same order (each skipped broadcast is one the strategy
+    no longer counts).
+
+    What: the strategy's variable creator hands the next creator an
+    `initial_value_fn` that computes the value and then broadcasts it from
+    the chief; a creator below the strategy's (entered before its scope)
+    replaces it with the value a creator above it (entered after) received,
+    or makes a resource variable with no value (TensorFlow's private
+    `resource_variable_ops.UninitializedVariable`, which tf.saved_model's
+    loader uses) and gives it empty storage. Why: a process that runs one
+    pipeline stage must not hold, or receive, the other stages' weights.
+    Verified: tensorflow 2.21.0. Check: the value the creator below receives
+    is the strategy's `initial_value_fn`, and `UninitializedVariable` exists,
+    else `UpstreamChanged`."""
+    import tensorflow as tf
+    given = []   # the initial value each variable being made was given
+
+    def below(next_creator, **kwargs):
+        choice = decide()
+        if choice is None:
+            return next_creator(**kwargs)
+        if getattr(kwargs.get("initial_value"), "__name__", None) != "initial_value_fn" or \
+                not given:
+            raise _changed("MultiWorkerMirroredStrategy's variable creator",
+                           "no longer hands the next creator its broadcasting initial_value_fn")
+        if choice == LOCAL:
+            kwargs["initial_value"] = given[-1]
+            return next_creator(**kwargs)
+        return _empty_variable(choice[1], kwargs)
+
+    def above(next_creator, **kwargs):
+        if decide() is None:
+            return next_creator(**kwargs)
+        given.append(kwargs.get("initial_value"))
+        try:
+            return next_creator(**kwargs)
+        finally:
+            given.pop()
+
+    with tf.variable_creator_scope(below), strategy_scope, tf.variable_creator_scope(above):
+        yield
+
+
+def _empty_variable(shape, kwargs):
+    """A resource variable of static shape `shape` holding an empty tensor,
+    never any other (see `created_without_broadcast`)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import resource_variable_ops
+    uninitialized = _require(resource_variable_ops, "UninitializedVariable",
+                             "tensorflow resource_variable_ops.UninitializedVariable")
+    dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+    variable = uninitialized(
+        shape=tf.TensorShape(shape), dtype=dtype, name=kwargs.get("name"),
+        trainable=kwargs.get("trainable"), aggregation=kwargs.get("aggregation"),
+        synchronization=kwargs.get("synchronization"))
+    set_storage(variable, tf.zeros([0], dtype))
+    return variable

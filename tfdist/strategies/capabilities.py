@@ -206,6 +206,12 @@ class PipelineStages(Capability):
     their slots), evaluates through the stages (`forward`) and gathers the
     whole model on the chief for checkpoints and export (`gather_stages`)."""
 
+    def build_model(self, build):
+        """The model `build()` makes, in the engine's scope. Where each process
+        runs some stages only, it may build the model without the storage of
+        the other stages' weights (`place_model` gives each process its own)."""
+        return build()
+
     @abc.abstractmethod
     def place_model(self, model, input_signature=None) -> None:
         """Split `model` into stages and move each stage's variables to its

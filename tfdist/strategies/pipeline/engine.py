@@ -177,6 +177,8 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
                             f"shape {tuple(output.shape)} even for the data's examples; its "
                             "dimensions after the batch must be fixed (e.g. "
                             "--sequence_length) to be sent between workers")
+            if self._deferred:   # built without storage: this process's stages get theirs
+                self._give_storage()
 
     def _check_shared(self) -> None:
         """Across processes each stage's workers hold their own copy of a

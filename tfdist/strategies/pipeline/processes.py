@@ -9,6 +9,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 import tensorflow as tf
+from absl import logging
 
 from tfdist import compat
 from tfdist.strategies.base import by_dtype
@@ -26,6 +27,63 @@ class StagesAcrossProcesses:
 
     _gathered_at = None   # the step the chief last gathered every stage at
     _updated = ()         # `updated_variables`, in order (across processes)
+    _deferred = None      # (variables built without storage, values the build assigned)
+    by_stage = False      # whether each process built only its stages' weights
+    _making = None        # `compat.created_without_broadcast`'s choice, while making one
+
+    # -- building only this process's stages ------------------------------------
+    def scope(self):
+        """The engine's scope; across processes, one in which the variables
+        `_give_storage` and `build_optimizer` make skip the strategy's
+        broadcast of the chief's initial values."""
+        if not self.processes:
+            return super().scope()
+        return compat.created_without_broadcast(super().scope(), lambda: self._making)
+
+    def build_model(self, build):
+        """Across processes, `build()` with no variable given storage yet:
+        `place_model` then gives storage to this process's stages only. A
+        model that cannot be built so (a variable made from a value, not an
+        initializer) is built whole, as in one process, and each process
+        frees the other stages' weights once it has the chief's."""
+        if not self.processes:
+            return build()
+        try:
+            model, made, assigned = compat.build_without_storage(build)
+        except compat.UpstreamChanged:
+            raise
+        except Exception as error:   # noqa: BLE001  (the build runs again, whole)
+            if self.is_chief:
+                logging.info("pipeline: each process builds the whole model, then frees the "
+                             "other stages' weights: it cannot be built without storage (%s)",
+                             " ".join(str(error).split())[:300])
+            return build()
+        self._deferred = (made, assigned)
+        return model
+
+    def _give_storage(self) -> None:
+        """After `build_model` without storage: storage, with this process's
+        own initial values, for its stages' trainable variables and for every
+        other variable (non-trainable state every process keeps); none for
+        the other stages' trainable variables. In the build's order, the same
+        in every process."""
+        made, assigned = self._deferred
+        self._deferred = None
+        self.by_stage = True
+        for variable in made:
+            held = id(variable) in self._held or not variable.trainable or \
+                id(variable) not in self._stages_of
+            self._making = compat.LOCAL if held else (compat.EMPTY, variable.shape)
+            try:
+                compat.give_storage(variable, assigned.get(id(variable)) if held else None)
+            finally:
+                self._making = None
+            if not held:
+                self._released.add(id(variable))
+        for stage_model in self._stage_models:   # any made from a value, with storage
+            for variable in stage_model.trainable_variables:
+                if id(variable) not in self._held:
+                    self._release(variable)
 
     # -- lifecycle hooks (`Strategy`): the stages onto the chief and back ----------
     def gather_state(self, state) -> None:
@@ -146,9 +204,19 @@ class StagesAcrossProcesses:
         make = optimizer.add_variable_from_reference
 
         def add_variable_from_reference(reference, *args, **kwargs):
-            slot = make(reference, *args, **kwargs)
-            if id(reference) not in self._held:
-                self._release(slot)
+            held = id(reference) in self._held
+            if not self.by_stage:
+                slot = make(reference, *args, **kwargs)
+                if not held:
+                    self._release(slot)
+                return slot
+            self._making = compat.LOCAL if held else (compat.EMPTY, reference.shape)
+            try:
+                slot = make(reference, *args, **kwargs)
+            finally:
+                self._making = None
+            if not held:
+                self._released.add(id(slot))
             return slot
 
         optimizer.add_variable_from_reference = add_variable_from_reference
@@ -226,11 +294,14 @@ class StagesAcrossProcesses:
             stage = self._stages_of[id(owner)][0]
             if kind == "gather":
                 moves = [(stage, 0, _Transfer.GATHER_GROUP_BASE + stage)] if stage else []
-            else:   # to every worker of every stage holding it
-                moves = [(0, worker, _Transfer.SCATTER_GROUP_BASE + worker)
+            else:   # to every worker of every stage holding it, from the chief or,
+                # where each process built only its stages, from the owning stage's replica 0
+                source = stage if self.by_stage else 0
+                moves = [(source, worker,
+                          _Transfer.SCATTER_GROUP_BASE + source * self._num_workers + worker)
                          for held_by in self._stages_of[id(owner)]
                          for worker in range(held_by, self._num_workers, self.num_stages)
-                         if worker]
+                         if worker != source]
             for sender, receiver, group in moves:
                 if me in (sender, receiver):
                     with tf.control_dependencies(done[-1:]):
