@@ -87,7 +87,9 @@ class Controller:
         """Train to `total_steps` (resuming from the latest checkpoint); return metrics.
 
         Every replica starts from the chief's state (its initial values, or
-        the checkpoint it restored), even where workers cannot see its files.
+        the checkpoint it restored), even where workers cannot see its files;
+        a pipeline whose processes built only their own stages starts each
+        stage from its first worker's initial values.
         An elastic engine runs the loop again from its last commit after
         workers left or joined."""
         restored = None

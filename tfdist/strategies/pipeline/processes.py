@@ -43,9 +43,9 @@ class StagesAcrossProcesses:
     def build_model(self, build):
         """Across processes, `build()` with no variable given storage yet:
         `place_model` then gives storage to this process's stages only. A
-        model that cannot be built so (a variable made from a value, not an
-        initializer) is built whole, as in one process, and each process
-        frees the other stages' weights once it has the chief's."""
+        model whose build fails while no variable has storage is built again,
+        whole, as in one process, and each process frees the other stages'
+        weights once it has the chief's."""
         if not self.processes:
             return build()
         try:
@@ -109,10 +109,12 @@ class StagesAcrossProcesses:
             self._gathered_at = None
 
     def broadcast_state(self, state, restored: bool) -> None:
-        """Each process takes only its stages' weights from the chief, point to
-        point (and their optimizer slots after a restore; a fresh run's are
-        the same initial values everywhere), then frees the other stages; the
-        rest (BatchNorm statistics, counters, the step) is broadcast as usual.
+        """Each process takes only its stages' weights, point to point, from
+        the chief or, where each process built only its own stages, from the
+        owning stage's first worker (and their optimizer slots after a
+        restore; a fresh run's are the same initial values everywhere), then
+        frees the other stages; the rest (BatchNorm statistics, counters, the
+        step) is broadcast as usual.
         A broadcast of the whole model would hold several whole-model tensors
         in every process at once (a 130M-parameter mlp's stage processes
         peaked at 1.5x a whole-model process's memory)."""
@@ -266,8 +268,9 @@ class StagesAcrossProcesses:
             self._released.clear()
 
     def scatter_stages(self, pairs) -> None:
-        """The reverse of `gather_stages`: the chief sends each of `pairs` to
-        every other worker of its stage (one point-to-point transfer each),
+        """The reverse of `gather_stages`: the chief (or, where each process
+        built only its stages, the owning stage's first worker) sends each of
+        `pairs` to every other worker of its stages (one point-to-point transfer each),
         which stores it. Unlike a broadcast (a sum over every worker of a
         whole-model tensor, with zeros from all but the chief) no worker ever
         holds more than its stage and one transfer."""
