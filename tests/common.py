@@ -162,3 +162,43 @@ def run_cli_cases(arg_lists, *, timeout=300):
     assert driver.returncode == 0 and lines, driver.stderr[-3000:]
     return [subprocess.CompletedProcess(args, r["returncode"], r["stdout"], r["stderr"])
             for args, r in zip(arg_lists, json.loads(lines[-1][len("CASES "):]))]
+
+
+# keras-hub CausalLMs (the pipeline's tests, in one process and across processes)
+HUB_TOKENS = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(8,), num_classes=32,
+                         train_examples=64, eval_examples=16)
+
+
+def hub_dataset_fn(split, context):
+    """keras-hub's features: {"token_ids", "padding_mask"} (the mask also
+    read by every decoder block); targets are the tokens shifted by one."""
+    import tensorflow as tf
+    rng = np.random.default_rng(2 if split == "train" else 3)
+    n = HUB_TOKENS.train_examples if split == "train" else HUB_TOKENS.eval_examples
+    seq = rng.integers(1, HUB_TOKENS.num_classes, size=(n, 9)).astype(np.int32)
+    mask = np.ones((n, 8), np.int32)
+    mask[::3, 6:] = 0   # some padding
+    features = {"token_ids": seq[:, :-1], "padding_mask": mask}
+    return shard(tf.data.Dataset.from_tensor_slices((features, seq[:, 1:])), context)
+
+
+def hub_causal_lm(kind):
+    """A tiny keras-hub CausalLM of `kind`, its token embedding tied (used
+    for the input and, reversed, for the logits)."""
+    import pytest
+    keras_hub = pytest.importorskip("keras_hub")
+    vocab, common = HUB_TOKENS.num_classes, dict(num_layers=1, hidden_dim=16,
+                                                 intermediate_dim=32)
+    if kind == "llama":
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=vocab, num_query_heads=4, num_key_value_heads=2, dropout=0,
+            **common)
+        return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    if kind == "gemma":
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=vocab, num_query_heads=2, num_key_value_heads=1, head_dim=8,
+            dropout=0, **common)
+        return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocab, num_heads=2, max_sequence_length=8, dropout=0, **common)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)

@@ -150,14 +150,14 @@ def _train(config, initial, task, hub, nan, whole):
         result = run_case(tfdist.train, config, task, initial)
     elif hub:
         import tfdist
-        from test_pipeline import HUB_TOKENS, _hub_causal_lm, _hub_dataset_fn
+        from common import HUB_TOKENS, hub_causal_lm, hub_dataset_fn
 
         def model_fn(spec):
-            model = _hub_causal_lm(hub)
+            model = hub_causal_lm(hub)
             model.set_weights(initial)
             return model
 
-        result = tfdist.train(config, model_fn=model_fn, dataset_fn=_hub_dataset_fn,
+        result = tfdist.train(config, model_fn=model_fn, dataset_fn=hub_dataset_fn,
                               spec=HUB_TOKENS)
     elif nan:
         from test_nonfinite import nan_dataset_fn

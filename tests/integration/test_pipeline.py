@@ -25,12 +25,12 @@ import pytest
 
 import tfdist
 from tfdist import compat
-from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.pipeline import schedule
 
-from common import (IMAGE_SPEC, TOKEN_SPEC, assert_weights_close, image_dataset_fn, run_cli_cases,
-                    run_config, token_dataset_fn)
+from common import (HUB_TOKENS, IMAGE_SPEC, TOKEN_SPEC, assert_weights_close, hub_causal_lm,
+                    hub_dataset_fn, image_dataset_fn, run_cli_cases, run_config,
+                    token_dataset_fn)
 
 
 def _config(strategy, *, model="mlp", depth=3, devices=2, stages=2, sched="1f1b",
@@ -270,44 +270,6 @@ def test_a_subclassed_model_is_refused_in_one_line():
 
 # -- keras-hub's language models, unchanged ---------------------------------------
 
-HUB_TOKENS = DatasetSpec(name="random_tokens", kind="tokens", input_shape=(8,), num_classes=32,
-                         train_examples=64, eval_examples=16)
-
-
-def _hub_dataset_fn(split, context):
-    """keras-hub's features: {"token_ids", "padding_mask"} (the mask also
-    read by every decoder block); targets are the tokens shifted by one."""
-    import tensorflow as tf
-    rng = np.random.default_rng(2 if split == "train" else 3)
-    n = HUB_TOKENS.train_examples if split == "train" else HUB_TOKENS.eval_examples
-    seq = rng.integers(1, HUB_TOKENS.num_classes, size=(n, 9)).astype(np.int32)
-    mask = np.ones((n, 8), np.int32)
-    mask[::3, 6:] = 0   # some padding
-    features = {"token_ids": seq[:, :-1], "padding_mask": mask}
-    return tfdist.shard(tf.data.Dataset.from_tensor_slices((features, seq[:, 1:])), context)
-
-
-def _hub_causal_lm(kind):
-    """A tiny keras-hub CausalLM of `kind`, its token embedding tied (used
-    for the input and, reversed, for the logits)."""
-    keras_hub = pytest.importorskip("keras_hub")
-    vocab, common = HUB_TOKENS.num_classes, dict(num_layers=1, hidden_dim=16,
-                                                 intermediate_dim=32)
-    if kind == "llama":
-        backbone = keras_hub.models.LlamaBackbone(
-            vocabulary_size=vocab, num_query_heads=4, num_key_value_heads=2, dropout=0,
-            **common)
-        return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    if kind == "gemma":
-        backbone = keras_hub.models.GemmaBackbone(
-            vocabulary_size=vocab, num_query_heads=2, num_key_value_heads=1, head_dim=8,
-            dropout=0, **common)
-        return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=vocab, num_heads=2, max_sequence_length=8, dropout=0, **common)
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-
-
 # Gemma ties its token embedding (one variable: two gradients summed, across
 # devices); Llama keeps the logits' projection apart in the same layer (each
 # stage's unused weight gets a zero gradient). GPT-2 ties as Gemma does: its
@@ -320,17 +282,17 @@ def test_keras_hub_causal_lms_pipeline_like_one_device(kind):
     stage 1) and the update equals accumulating the same micro-batches on one
     device."""
     keras.utils.set_random_seed(5)
-    initial = _hub_causal_lm(kind).get_weights()
+    initial = hub_causal_lm(kind).get_weights()
 
     def model_fn(spec):
-        model = _hub_causal_lm(kind)
+        model = hub_causal_lm(kind)
         model.set_weights(initial)
         return model
 
     results = {}
     for strategy in ("default", "pipeline"):
         config = _config(strategy, steps=2, microbatches=2, batch=16)
-        results[strategy] = tfdist.train(config, model_fn=model_fn, dataset_fn=_hub_dataset_fn,
+        results[strategy] = tfdist.train(config, model_fn=model_fn, dataset_fn=hub_dataset_fn,
                                          spec=HUB_TOKENS)
     reference, result = results["default"], results["pipeline"]
     layers = result.summary["stage_layers"]

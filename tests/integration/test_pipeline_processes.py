@@ -15,7 +15,7 @@ from tfdist import models   # (tests/common.py imports tfdist before TensorFlow 
 
 from common import IMAGE_SPEC, assert_weights_close, mw_config, train_from
 from test_nonfinite import nan_dataset_fn
-from test_pipeline import HUB_TOKENS, _hub_causal_lm, _hub_dataset_fn
+from common import HUB_TOKENS, hub_causal_lm, hub_dataset_fn
 from conftest import BIN, REPO
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,7 @@ def process_runs(tmp_path_factory):
         if "hub" in overrides:
             import keras
             keras.utils.set_random_seed(5)
-            initials[name] = _hub_causal_lm(overrides["hub"]).get_weights()
+            initials[name] = hub_causal_lm(overrides["hub"]).get_weights()
         else:
             initials[name] = models.build(model, IMAGE_SPEC).get_weights()
         np.savez(directory / str(k) / "initial.npz", *initials[name])
@@ -261,12 +261,12 @@ def test_a_layer_shared_by_two_stages_stays_one_across_processes(process_runs):
     assert held[0] & held[1] == {embedding}, held
 
     def model_fn(spec):
-        model = _hub_causal_lm("gemma")
+        model = hub_causal_lm("gemma")
         model.set_weights(initial)
         return model
 
     config = mw_config("default", 4, accum_steps=run["accum_steps"], jit_compile="off")
     config = config.replace(optimizer=config.optimizer.replace(**run["optimizer"]))
-    single = tfdist.train(config, model_fn=model_fn, dataset_fn=_hub_dataset_fn, spec=HUB_TOKENS)
+    single = tfdist.train(config, model_fn=model_fn, dataset_fn=hub_dataset_fn, spec=HUB_TOKENS)
     assert np.abs(workers[0][embedding] - initial[embedding]).max() > 1e-3
     assert_weights_close(workers[0], single.model.get_weights(), atol=1e-5)
