@@ -20,12 +20,13 @@ interface counters (tx of both ends) are sampled when the chief logs the end
 of loop 1 and of loop 2, LOOP steps apart, with no start-up, broadcast,
 evaluation, checkpoint or export between them. The bench measures more
 cleanly, as the difference of two runs (bench/slow_link.py). Here a sample
-can lag its log line by a few ms of the next loop's traffic, and up to one
-tbf queue (100 ms, 1.25 MB a direction) can still be waiting to cross; both
-boundaries lag alike, so the difference is off by far less than a step
-(6.8 MB with `none`): the bounds below allow +-20% around 2 Psi and 1.6-2.5x
-for bf16 (exactly 2x in the data), and still catch the plausible mistakes (one
-end counted: 1 Psi; bits, or both ends twice: >= 4 Psi).
+lags its log line by the poll's delay, and up to one tbf queue (100 ms, 1.25
+MB a direction) can still be waiting to cross. The lags differ: on a loaded
+2-core machine the first sample once came 1.25 steps late (0.7 s; 1.5 Psi
+per step over 5-step loops), so the loops are 10 steps, where that lag is
+12%: the bounds below allow +-20% around 2 Psi and 1.6-2.5x for bf16
+(exactly 2x in the data), and still catch the plausible mistakes (one end
+counted: 1 Psi; bits, or both ends twice: >= 4 Psi).
 
 Needs root, iproute2 (`ip netns`, `tc`) and the kernel's tbf; skipped otherwise.
 """
@@ -43,7 +44,7 @@ import netns
 
 ADDRESSES = ("10.236.0.1", "10.236.0.2")
 RATE = "100mbit"
-LOOP = 5                   # steps per loop; measured: loop 2
+LOOP = 10                  # steps per loop; measured: loop 2
 STEPS = 2 * LOOP + 1       # the last loop (one step) ends with evaluation and the checkpoint
 RUN_TIMEOUT_S = 120        # one run's start-up and 11 steps on a loaded 2-core machine, x3
 PREFIX = f"tsl{os.getpid()}"   # <= 15-character interface names: tsl<pid>v0
