@@ -136,7 +136,8 @@ def build_without_storage(build):
         listed = get(key)
         if listed is not None and not isinstance(listed, list):
             raise _changed(f"keras global_state {key}", "is no longer a list")
-        made = [v for v in listed or () if not any(v is b for b in before)]
+        earlier = {id(v) for v in before}
+        made = [v for v in listed or () if id(v) not in earlier]
         global_state.set_global_attribute(key, before)
     for variable in made:
         if getattr(variable, "_value", None) is not None or \
@@ -144,8 +145,8 @@ def build_without_storage(build):
             raise _changed("keras.StatelessScope(initialize_variables=False)",
                            f"made variable {variable.path!r} with storage or without an "
                            "initializer")
-    assigned = {key: value for key, value in scope.state_mapping.items()
-                if any(id(v) == key for v in made)}
+    ours = {id(v) for v in made}
+    assigned = {key: value for key, value in scope.state_mapping.items() if key in ours}
     return result, made, assigned
 
 
