@@ -5,6 +5,8 @@ whole in-process suite runs on 4 logical CPUs configured here, first:
 mirrored runs use the first 2 (`virtual_devices=2`), DTensor meshes all 4.
 """
 
+import faulthandler
+import glob
 import os
 import shutil
 import socket
@@ -220,6 +222,30 @@ def pytest_runtest_setup(item):
         wait_for_horovod_build()
 
 
+# -- a test that takes far longer than any should: every thread's stack --------
+# A test over STALL_S (the longest take ~75 s here) writes every thread of its
+# worker to a file, printed at the end of the run: where it was waiting.
+STALL_S = 100
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.path.join(os.environ["TFDIST_CACHE_DIR"],
+                        f"stall-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{time.time():.0f}")
+    with open(path, "w") as stacks:
+        stacks.write(f"{item.nodeid} ran over {STALL_S}s; its worker's threads then:\n")
+        stacks.flush()
+        faulthandler.dump_traceback_later(STALL_S, file=stacks)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    with open(path) as stacks:
+        stalled = "Thread 0x" in stacks.read()
+    if not stalled:
+        os.remove(path)
+
+
 _FILE_SECONDS = {}
 
 
@@ -233,7 +259,12 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     """The slowest test files: --dist loadfile runs each file in one worker,
     so the suite's wall time is bounded below by the largest of these."""
-    if not _FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
+    if hasattr(terminalreporter.config, "workerinput"):
+        return
+    for path in sorted(glob.glob(os.path.join(os.environ["TFDIST_CACHE_DIR"], "stall-*"))):
+        terminalreporter.write_sep("=", "a stalled test")
+        terminalreporter.write_line(open(path).read())
+    if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
     terminalreporter.write_sep("=", f"slowest test files (all files: {total:.0f}s of worker time)")
