@@ -4,7 +4,9 @@
         [--depth 6] [--global_batch 512] [--interop 2] [--pin/--nopin] [--png PATH]
 
 `--stages S` runs S stage processes (default 2; more than the cores measures
-memory, not speed). Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
+memory, not speed). `--zero1` instead runs S x 2 workers (two pipeline replicas
+of each stage) without and with `--zero_stage=1` and prints each worker's peak
+memory beside its stage's Adam slots (ZeRO-1 keeps half of them per worker). Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
 Adam, float32, no XLA: the pipeline cannot use it):
 
 - `default`: plain `--strategy=default`, one process using both cores (the
@@ -47,15 +49,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def pipeline_run(args, microbatches: int, kind: str, timeline: str) -> dict:
-    """Two stage processes; worker 0's (the chief's) run summary."""
-    ports = [_free_port() for _ in range(args.stages)]
+def pipeline_run(args, microbatches: int, kind: str, timeline: str, replicas: int = 1,
+                 extra: tuple = ()) -> dict:
+    """S x `replicas` stage processes; worker 0's (the chief's) run summary."""
+    ports = [_free_port() for _ in range(args.stages * replicas)]
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     command = [TRAIN, "--strategy=pipeline", f"--pipeline_stages={args.stages}",
                f"--microbatches={microbatches}", f"--pipeline_schedule={kind}",
-               *model_flags(args)]
+               *model_flags(args), *extra]
     procs = []
-    for k in range(args.stages):
+    for k in range(args.stages * replicas):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker",
                                                                     "index": k}}),
@@ -78,6 +81,29 @@ def pipeline_run(args, microbatches: int, kind: str, timeline: str) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     sys.exit("no run summary from the chief")
+
+
+def zero1_rows(args, scratch: str) -> list:
+    """S x 2 workers (2 pipeline replicas of each stage), without and with
+    --zero_stage=1: each worker's peak resident memory, and the Adam slots
+    (2 x the stage's float32 parameter bytes) it holds in each."""
+    runs = {}
+    for zero in (0, 1):
+        prefix = os.path.join(scratch, f"zero{zero}")
+        run = pipeline_run(args, args.microbatches, "1f1b", prefix, replicas=2,
+                           extra=(f"--zero_stage={zero}",))
+        runs[zero] = (run, read_timeline(prefix, 2 * args.stages)[1])
+    rows = []
+    for k in range(2 * args.stages):
+        stage = k % args.stages
+        slots = 2 * runs[0][0]["stage_param_bytes"][stage]
+        plain, zero = runs[0][1][k] / 2**20, runs[1][1][k] / 2**20
+        rows.append([f"worker {k}: stage {stage}, replica {k // args.stages}",
+                     f"{slots / 2**20:.0f}", f"{plain:.0f}", f"{zero:.0f}",
+                     f"{plain - zero:.0f}",
+                     f"{runs[0][0]['examples_per_sec']:.0f} / {runs[1][0]['examples_per_sec']:.0f}"
+                     if k == 0 else ""])
+    return rows
 
 
 def model_flags(args) -> list:
@@ -150,8 +176,18 @@ def main() -> None:
                         help="pin stage process k to core k (taskset)")
     parser.add_argument("--png", default=None, help="draw the timelines into this PNG")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--zero1", action="store_true",
+                        help="instead: S x 2 workers without and with --zero_stage=1 (each "
+                             "stage's Adam slots split over its 2 replicas): each worker's "
+                             "peak memory (on 2 cores this measures memory, not speed)")
     args = parser.parse_args()
     print(hardware_header(), flush=True)
+    if args.zero1:
+        with tempfile.TemporaryDirectory() as scratch:
+            rows = zero1_rows(args, scratch)
+        print(table(rows, ["worker", "its stage's Adam slots MiB", "peak MiB, ZeRO-1 off",
+                           "on", "saved MiB", "ex/s off / on"]))
+        return
     m = args.microbatches
     rows, timelines = [], {}
     base = summary([TRAIN, "--strategy=default", *model_flags(args)], timeout=args.timeout)

@@ -31,7 +31,7 @@ from tfdist.training import compression, optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
 from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, ServingProcesses,
-                                            TensorSharding, capability)
+                                            TensorSharding, ZeroStages, capability, require)
 from tfdist.mesh_model import MeshModel
 from tfdist.training.controller import Controller
 from tfdist.training.trainer import Trainer, total_steps
@@ -364,10 +364,8 @@ def _check_run(config, strategy, dataset_fn, spec):
     """Every check of the run's settings against the engine and the data,
     before anything is built; returns the inputs."""
     tc = config.train
-    if config.strategy.zero and not isinstance(strategy, TensorSharding):
-        raise UsageError(f"--zero_stage={config.strategy.zero} splits state over a device "
-                         f"mesh's batch axis; --strategy={config.strategy.name} has no mesh "
-                         "(use --strategy=dtensor, or --zero_stage=0)")
+    if config.strategy.zero:
+        require(strategy, ZeroStages, f"--zero_stage={config.strategy.zero}").check_zero(config)
     strategy.check_config(config)
     compression.check_engine(tc, strategy)
     check_batch(config, strategy.num_replicas)

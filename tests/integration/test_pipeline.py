@@ -212,6 +212,33 @@ def test_across_processes_fp16_loss_scaling_is_refused():
     strategy.check_config(_config("pipeline", precision="mixed_bfloat16"))   # the control
 
 
+def test_zero_stage_under_the_pipeline_needs_replicas_across_processes():
+    """ZeRO-1 splits a stage's slots over its pipeline replicas across
+    processes: in one process, with one replica per stage, or at stage 2 or 3
+    it is one line before training. (A cluster's worker is checked as in
+    `test_across_processes_fp16_loss_scaling_is_refused`.)"""
+    def config(stage):
+        config = _config("pipeline")
+        return config.replace(strategy=config.strategy.replace(zero_stage=stage))
+
+    with pytest.raises(UsageError, match=r"--zero_stage=1: --strategy=pipeline splits each "
+                                         r"stage's optimizer slots .* in one process every "
+                                         r"slot has one copy"):
+        _train(config(1))
+    with pytest.raises(UsageError, match=r"--zero_stage=2: --strategy=pipeline offers ZeRO "
+                                         r"stage\(s\) 1$"):
+        _train(config(2))
+    from tfdist.strategies.pipeline import PipelineStrategy
+    strategy = PipelineStrategy.__new__(PipelineStrategy)
+    strategy.processes, strategy.pipeline_replicas = True, 1
+    with pytest.raises(UsageError, match=r"this cluster runs 1 replica of each stage; run S x R "
+                                         r"workers with R >= 2 \(e.g. tfdist-launch "
+                                         r"--workers=4\), or --zero_stage=0"):
+        strategy.check_zero(config(1))
+    strategy.pipeline_replicas = 2
+    strategy.check_zero(config(1))   # the control
+
+
 def test_the_cli_prints_stages_and_refuses_bad_input_before_training():
     base = ["--strategy=pipeline", "--model=mlp", "--model_depth=3", "--microbatches=4",
             "--global_batch_size=32", "--train_steps=1"]

@@ -80,10 +80,31 @@ PROCESS_RUNS = {
     "keras-hub gemma, 2 stages x 2 replicas": {
         "strategy": {"pipeline_stages": 2}, "hub": "gemma", "accum_steps": 2,
         "steps_per_loop": 2, "optimizer": {"clip_grad_norm": 0.5}},
+    # Under --zero_stage=1 too: each of a stage's 2 replicas holds the Adam
+    # slots of its half of the stage's variables; the restore gives each its
+    # slots (from the chief), and the chief gathers each slot from its owner.
     "2 stages x 2 replicas, a NaN loss rolled back": {
-        "strategy": {"pipeline_stages": 2}, "steps_per_loop": 4, "checkpoint_every": 4,
-        "model_dir": "rolled_back", "train_steps": 12, "nan": True,
-        "on_nonfinite": "rollback"},
+        "strategy": {"pipeline_stages": 2, "zero_stage": 1}, "steps_per_loop": 4,
+        "checkpoint_every": 4, "model_dir": "rolled_back", "train_steps": 12, "nan": True,
+        "on_nonfinite": "rollback", "optimizer": {"name": "adam", "learning_rate": 0.01}},
+    # ZeRO-1 within each stage's replica group: each replica updates the
+    # variables whose Adam slots it holds (about half the stage's) from the
+    # stage's summed, clipped gradients, and the stage's replicas then share
+    # the updated weights; with micro-batches accumulated, in bf16. With R=2
+    # a replica's micro-batches are other rows than one device's, and bf16
+    # rounds each micro-batch's gradient, so these two are compared with each
+    # other: ZeRO-1 changes where the slots live, not one bit of the result.
+    "2 stages x 2 replicas, zero1, adam, clip, bf16": {
+        "strategy": {"pipeline_stages": 2, "zero_stage": 1}, "skewed": True,
+        "optimizer": {"name": "adam", "learning_rate": 0.01, "clip_grad_norm": 0.1},
+        "accum_steps": 2, "precision": "mixed_bfloat16", "steps_per_loop": 2,
+        "same_as": "2 stages x 2 replicas, adam, clip, bf16"},
+    "2 stages x 2 replicas, adam, clip, bf16": {
+        "strategy": {"pipeline_stages": 2}, "skewed": True,
+        "optimizer": {"name": "adam", "learning_rate": 0.01, "clip_grad_norm": 0.1},
+        "accum_steps": 2, "precision": "mixed_bfloat16", "steps_per_loop": 2,
+        "same_as": "2 stages x 2 replicas, zero1, adam, clip, bf16",
+        "initial_of": "2 stages x 2 replicas, zero1, adam, clip, bf16"},
 }
 
 
@@ -99,6 +120,8 @@ def process_runs(tmp_path_factory):
             import keras
             keras.utils.set_random_seed(5)
             initials[name] = hub_causal_lm(overrides["hub"]).get_weights()
+        elif "initial_of" in overrides:   # the same initial weights as that run
+            initials[name] = initials[overrides["initial_of"]]
         else:
             initials[name] = models.build(model, IMAGE_SPEC).get_weights()
         np.savez(directory / str(k) / "initial.npz", *initials[name])
@@ -161,7 +184,8 @@ def test_each_process_makes_storage_for_its_stage_only(process_runs):
             assert made[w] == held[w] < whole, (name, w, made, held)
 
 
-@pytest.mark.parametrize("name", [name for name, run in PROCESS_RUNS.items() if "hub" not in run])
+@pytest.mark.parametrize("name", [name for name, run in PROCESS_RUNS.items()
+                                  if "hub" not in run and "same_as" not in run])
 def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name, tmp_path):
     saved, initial, run, summary = process_runs[name]
     workers, slots = saved[0::2], saved[1::2]
@@ -184,6 +208,8 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
         for k in set(range(len(arrays))) - mine:
             assert arrays[k].shape == (0,) and chief[k].size, (w, k)
         held.append(mine)
+    if run["strategy"].get("zero_stage"):
+        held = _slots_split_between_replicas(held, len(workers[0]), len(chief), stages)
     by_stage = {w % stages: mine for w, mine in zip(range(1, len(workers)), held)}
     for w, mine in zip(range(1, len(workers)), held):
         assert mine == by_stage[w % stages]
@@ -237,6 +263,61 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
         exported = keras.saving.load_model(os.path.join(run["export_dir"], "model.keras"))
         for got, want in zip(exported.get_weights(), workers[0]):
             np.testing.assert_array_equal(got, want)
+
+
+def test_zero1_moves_the_slots_and_changes_no_bit_of_the_training(process_runs):
+    """--zero_stage=1 (S=2 x R=2, Adam, clipping, accumulation, bf16) against
+    the same run without it: every worker's weights and the chief's slots
+    (gathered from their owners) bit for bit. Where the slots live: each
+    stage's split between its two replicas, disjoint and neither empty, where
+    without ZeRO-1 both hold all of them (the control)."""
+    zero, _, _, zero_summary = process_runs["2 stages x 2 replicas, zero1, adam, clip, bf16"]
+    plain, _, _, plain_summary = process_runs["2 stages x 2 replicas, adam, clip, bf16"]
+    assert (zero_summary["zero_stage"], plain_summary["zero_stage"]) == (1, 0)
+    for w in range(4):   # weights (another stage's: freed, empty)
+        for got, want in zip(zero[2 * w], plain[2 * w]):
+            np.testing.assert_array_equal(got, want)
+    for got, want in zip(zero[1], plain[1]):   # the chief's slots: all, gathered
+        np.testing.assert_array_equal(got, want)
+
+    def slots(saved, w):
+        return {k for k, a in enumerate(saved[2 * w + 1]) if a.size}
+
+    everywhere = slots(zero, 1) & slots(zero, 3)   # the step, the learning rate
+    assert slots(plain, 1) == slots(plain, 3)      # stage 1's replicas (workers 1 and 3)
+    first, second = slots(zero, 1) - everywhere, slots(zero, 3) - everywhere
+    assert first and second and first.isdisjoint(second), (first, second)
+    assert first | second == slots(plain, 1) - everywhere
+    # Stage 0's second replica (worker 2; the first is the chief, whole at the end)
+    assert everywhere < slots(zero, 2) < slots(plain, 2)
+
+
+def _slots_split_between_replicas(held, weights, total, stages):
+    """Under --zero_stage=1, what workers 1..N-1 would hold without it
+    (`held`: their sets of indices into the weights + slots, the first
+    `weights` of them weights): each stage's weights are on all its replicas
+    and its slots split between them, disjoint and none empty. A stage whose
+    other replica is the chief (whole at the end) holds a strict part of the
+    stage's slots (those no other stage holds)."""
+    workers = list(range(1, len(held) + 1))
+    held = dict(zip(workers, held))
+    slots = {w: {k for k in held[w] if k >= weights} for w in workers}
+    everywhere = set.intersection(*slots.values())   # the step, the learning rate
+    parts = {w: slots[w] - everywhere for w in workers}
+    assert all(parts.values()), parts
+    whole = {}
+    for w in workers:
+        partners = [v for v in workers if v != w and v % stages == w % stages]
+        for v in partners:
+            assert parts[w].isdisjoint(parts[v]), (w, v, parts)
+        whole[w] = held[w].union(*(parts[v] for v in partners))
+    for w in workers:
+        if w % stages == 0:   # the chief's stage
+            others = set().union(*(whole[v] for v in workers if v % stages))
+            stage_slots = set(range(weights, total)) - everywhere - others
+            assert parts[w] < stage_slots, (w, parts[w], stage_slots)
+            whole[w] = held[w] | stage_slots
+    return [whole[w] for w in workers]
 
 
 def test_a_layer_shared_by_two_stages_stays_one_across_processes(process_runs):

@@ -135,7 +135,9 @@ def test_an_option_only_one_engine_reads_is_declared_in_that_engine():
     assert _misplaced(config_lib.StrategyConfig) == []
     single = {f.name for f in dataclasses.fields(config_lib.StrategyConfig)
               if len(config_lib.declaration(f).engines) == 1}
-    assert {"mesh", "zero_stage", "pipeline_stages", "elastic", "ps_hosts"} <= single
+    assert {"mesh", "shard_optimizer_state", "pipeline_stages", "elastic", "ps_hosts"} <= single
+    zero = next(f for f in dataclasses.fields(config_lib.StrategyConfig) if f.name == "zero_stage")
+    assert config_lib.declaration(zero).engines == ("dtensor", "pipeline")   # shared: not in one
     # The control: a dtensor-only option declared here, outside dtensor's package.
     stray = dataclasses.make_dataclass("Stray", [(
         "stray_option", int, option(

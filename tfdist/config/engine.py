@@ -7,15 +7,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from tfdist.config.options import (ENGINE, INT_MAX, check_fields, non_negative, option, part,
-                                   positive, seconds)
-from tfdist.strategies.dtensor.options import ZERO_STAGES, DTensorOptions
+from tfdist.config.options import (ENGINE, INT_MAX, check_fields, engine_options, non_negative,
+                                   option, part, positive, seconds)
+from tfdist.errors import ConfigError
+from tfdist.strategies.dtensor.options import DTensorOptions
 from tfdist.strategies.horovod.options import HorovodOptions
 from tfdist.strategies.multi_worker.options import COLLECTIVES, MultiWorkerOptions
 from tfdist.strategies.parameter_server.options import TASK_TYPES, ParameterServerOptions
 from tfdist.strategies.pipeline.options import PIPELINE_SCHEDULES, PipelineOptions
 
 PROCESSES = ("multi_worker", "parameter_server", "dtensor", "pipeline")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _zero_stage(name, value):
+    if value not in ZERO_STAGES:
+        raise ConfigError(f"{name}={value!r} is not a ZeRO stage; valid: "
+                          f"{', '.join(map(str, ZERO_STAGES))}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +54,30 @@ class _EngineAndCluster:
              "in the list --task_type names.")
 
 
+@engine_options("dtensor", "pipeline")
+class _ZeroOptions:
+    """ZeRO: training state split over data-parallel replicas, on the engines
+    that offer it (`strategies.capabilities.ZeroStages`)."""
+
+    zero_stage: int = option(
+        0, choices=ZERO_STAGES, check=_zero_stage, tunable=ZERO_STAGES, group=ENGINE,
+        help="dtensor: what is also split over the mesh's batch axis (ZeRO). 0: nothing "
+             "(each variable, gradient and optimizer slot is split by its layout rule only); "
+             "1: optimizer slots; 2: slots and gradients (reduce-scattered out of the "
+             "backward pass); 3: slots, gradients and the variables themselves, each layer's "
+             "gathered just before it computes and again in the backward pass (FSDP; one "
+             "more forward pass per step). Per-device bytes of parameters + gradients + "
+             "optimizer state fall towards 1/(batch x model) of one device's. pipeline "
+             "across processes: 1 splits each stage's optimizer slots over its R pipeline "
+             "replicas (each updates the variables whose slots it holds, then the replicas "
+             "share the updated weights).")
+
 
 # The engines' own options come after the shared ones (dataclass fields follow
 # the bases in reverse order), keyword-only.
 @part
-class StrategyConfig(PipelineOptions, HorovodOptions, DTensorOptions, ParameterServerOptions,
-                     MultiWorkerOptions, _EngineAndCluster):
+class StrategyConfig(PipelineOptions, HorovodOptions, DTensorOptions, _ZeroOptions,
+                     ParameterServerOptions, MultiWorkerOptions, _EngineAndCluster):
     """Which engine runs the replicas, on which cluster, with its options."""
 
     def __post_init__(self):

@@ -114,6 +114,22 @@ class TensorSharding(Capability):
         services leave last. Default: nothing to wait for."""
 
 
+class ZeroStages(Capability):
+    """Training state split over the data-parallel replicas (ZeRO,
+    `--zero_stage`): `zero_stages` are the stages the engine offers;
+    `check_zero` refuses, in one line, a run it cannot split."""
+
+    needs = "an engine that splits training state over its data-parallel replicas (ZeRO)"
+    zero_stages: tuple = (1, 2, 3)
+
+    def check_zero(self, config) -> None:
+        """Raise `UsageError` if this run cannot use `config.strategy.zero`."""
+        stage = config.strategy.zero
+        if stage not in self.zero_stages:
+            raise UsageError(f"--zero_stage={stage}: --strategy={config.strategy.name} offers "
+                             f"ZeRO stage(s) {', '.join(map(str, self.zero_stages))}")
+
+
 class ElasticMembership(Capability):
     """Workers may leave and join during a run (Horovod elastic). The engine
     keeps the training state in its own store, committed every
@@ -256,6 +272,18 @@ class PipelineStages(Capability):
         """The norm of the whole model's reduced gradient, of which `grads`
         (reduced, of `updated_variables`) is this process's part."""
         raise NotImplementedError
+
+    def applied_update(self, grads, variables) -> tuple:
+        """(gradients, variables) of the reduced, clipped `grads` of
+        `updated_variables` that this process applies the optimizer to.
+        Default: all (ZeRO-1 within a stage's replicas applies each replica's
+        share, then `share_update` shares the result)."""
+        return list(grads), list(variables)
+
+    def share_update(self, variables) -> None:
+        """After this process's optimizer update of its `applied_update`
+        (in the replica step): give every process that holds `variables`
+        (`updated_variables`) their updated values. Default: nothing."""
 
     def build_optimizer(self, optimizer, variables) -> None:
         """`optimizer.build(variables)`. Where `splits_update`, the slots of

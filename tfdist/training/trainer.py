@@ -373,9 +373,13 @@ class Trainer(LocalSGDSteps):
         if measure_agreement:
             out["agreement"] = self._replica_agreement(local.data, grads)
         variables = self.updated_variables
+        if self.split_update:
+            grads, variables = self.pipeline.applied_update(grads, variables)
         nonfinite.apply_unless_nonfinite(
             self.strategy, self.train_config.on_nonfinite, counters,
             lambda g: self.optimizer.apply(g, variables), grads)
+        if self.split_update:
+            self.pipeline.share_update(self.updated_variables)
         return out
 
     def _replica_agreement(self, local, summed):

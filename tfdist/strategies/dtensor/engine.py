@@ -16,7 +16,7 @@ from tensorflow.experimental import dtensor
 from tfdist import cluster, compat, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
-from tfdist.strategies.capabilities import TensorSharding
+from tfdist.strategies.capabilities import TensorSharding, ZeroStages
 from tfdist.observe import hardware, logs
 from tfdist.strategies.multi_worker import engine as multi_worker
 from tfdist.strategies.dtensor import clients
@@ -28,7 +28,7 @@ from tfdist.strategies.dtensor.report import LayoutReport
 from tfdist.strategies.dtensor.variables import VariableCreation, _gather, _lay_out, _read
 
 
-class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding):
+class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding, ZeroStages):
     name = "dtensor"
     supports_xla = False
     supports_xla_reason = ("DTensor expands its SPMD program itself, outside XLA, on CPU; "

@@ -17,13 +17,13 @@ from tfdist.errors import UsageError, first_line
 from tfdist.pipeline import schedule as schedule_lib
 from tfdist.pipeline import split as split_lib
 from tfdist.pipeline import stages as stages_lib
-from tfdist.strategies.capabilities import LocalGradients, PipelineStages
+from tfdist.strategies.capabilities import LocalGradients, PipelineStages, ZeroStages
 from tfdist.strategies.multi_worker.engine import MultiWorkerStrategy
 from tfdist.strategies.pipeline import step
 from tfdist.strategies.pipeline.processes import StagesAcrossProcesses
 
 
-class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStages):
+class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStages, ZeroStages):
     """S stages (x R pipeline replicas) over the local devices, or over the
     processes of a cluster (one stage per process)."""
 
@@ -89,9 +89,10 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
 
     def describe(self) -> str:
         if self.processes:
+            zero = ", ZeRO-1 over each stage's replicas" if self.zero1 else ""
             return (f"pipeline: {self.num_stages} stages x {self.pipeline_replicas} pipeline "
                     f"replica(s) over {self._num_workers} workers, "
-                    f"{self.config.pipeline_schedule} schedule; this is "
+                    f"{self.config.pipeline_schedule} schedule{zero}; this is "
                     f"{self.worker_name(self._worker_index)}: stage {self.stage} of replica "
                     f"{self.replica}{' (chief)' if self.is_chief else ''}")
         groups = [", ".join(self.devices[r * self.num_stages:(r + 1) * self.num_stages])
@@ -163,6 +164,7 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
                 self._held.add(id(variable))
                 if not self.processes and self._stages_of[id(variable)][0] == s:
                     compat.move_variable(variable, self.stage_device(s))
+        self._split_slots()
         self._prepare_timeline()
         if self.processes:
             # What crosses between workers: shapes fixed after the batch (a
@@ -272,6 +274,7 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
                   "stage_param_bytes": [s.param_bytes for s in self.stages or ()]}
         if self.processes:
             fields["stage"], fields["pipeline_replica"] = self.stage, self.replica
+            fields["zero_stage"] = self.config.zero
         return fields
 
     def describe_fault(self, error: Exception) -> str:

@@ -1,18 +1,18 @@
-"""A pipeline's stages across processes: the boundary tensors between
-neighbouring stages' workers (`_Transfer`), the sum of one stage's gradients
-over its pipeline replicas (`_StageGroup`), and each worker updating and
-holding only its own stage (`StagesAcrossProcesses`)."""
+"""A pipeline's stages across processes: each worker updating and holding
+only its own stage (`StagesAcrossProcesses`; under ZeRO-1 its share of the
+stage's optimizer slots), over the collectives of `collectives`."""
 
 from __future__ import annotations
 
-import itertools
+import math
 from typing import TYPE_CHECKING
 
 import tensorflow as tf
 from absl import logging
 
 from tfdist import compat
-from tfdist.strategies.base import by_dtype
+from tfdist.errors import UsageError
+from tfdist.strategies.pipeline.collectives import SharedGroup, StageGroup, Transfer
 
 if TYPE_CHECKING:
     from tfdist.strategies.pipeline.engine import PipelineStrategy
@@ -30,6 +30,9 @@ class StagesAcrossProcesses:
     _deferred = None      # (variables built without storage, values the build assigned)
     by_stage = False      # whether each process built only its stages' weights
     _making = None        # `compat.created_without_broadcast`'s choice, while making one
+    zero_stages = (1,)    # ZeRO-1: a stage's optimizer slots split over its replicas
+    _slots_here = frozenset()   # ids of the variables whose slots this worker holds
+    _slot_replica = None  # under ZeRO-1: {(stage, id(variable)): the replica holding its slots}
 
     # -- building only this process's stages ------------------------------------
     def scope(self):
@@ -84,6 +87,84 @@ class StagesAcrossProcesses:
             for variable in stage_model.trainable_variables:
                 if id(variable) not in self._held:
                     self._release(variable)
+
+    # -- ZeRO-1 within a stage's pipeline replicas ------------------------------
+    def check_zero(self, config) -> None:
+        super().check_zero(config)
+        if not self.processes or self.pipeline_replicas < 2:
+            where = (f"this cluster runs {self.pipeline_replicas} replica of each stage"
+                     if self.processes else "in one process every slot has one copy")
+            raise UsageError(
+                f"--zero_stage={config.strategy.zero}: --strategy=pipeline splits each "
+                f"stage's optimizer slots over the stage's pipeline replicas across processes, "
+                f"and {where}; run S x R workers with R >= 2 (e.g. tfdist-launch "
+                f"--workers={2 * config.strategy.pipeline_stages}), or --zero_stage=0")
+
+    @property
+    def zero1(self) -> bool:
+        """Whether each stage's optimizer slots are split over its replicas."""
+        return bool(self.processes and self.config.zero)
+
+    def _split_slots(self) -> None:
+        """Which trainable variables' optimizer slots this worker holds (and
+        which it applies the optimizer to): all of its stages', or under
+        ZeRO-1 its share of them. Each stage's variables are dealt to its R
+        replicas whole, largest first, each to the replica holding the fewest
+        elements so far (ties: the lower replica), the same on every worker."""
+        if not self.zero1:
+            self._slots_here = frozenset(self._held)
+            return
+        replicas, self._slot_replica = self.pipeline_replicas, {}
+        for s, stage_model in enumerate(self._stage_models):
+            variables = list({id(v): v for v in stage_model.trainable_variables}.values())
+            if len(variables) < replicas:
+                raise UsageError(
+                    f"--zero_stage=1: pipeline stage {s} has {len(variables)} trainable "
+                    f"variable(s), fewer than its {replicas} pipeline replicas, and each "
+                    "replica must hold some of its slots; use fewer workers per stage, other "
+                    "--pipeline_split points, or --zero_stage=0")
+            loads = [0] * replicas
+            for k in sorted(range(len(variables)),
+                            key=lambda k: (-math.prod(variables[k].shape), k)):
+                r = min(range(replicas), key=lambda r: (loads[r], r))
+                self._slot_replica[(s, id(variables[k]))] = r
+                loads[r] += math.prod(variables[k].shape)
+        self._slots_here = frozenset(key for (s, key), r in self._slot_replica.items()
+                                     if s == self.stage and r == self.replica)
+
+    def _keeps(self, variable, owner) -> bool:
+        """Whether this worker holds `variable` (of `owner`'s stage: `owner`
+        itself, or one of its optimizer slots)."""
+        return id(owner) in (self._held if variable is owner else self._slots_here)
+
+    def _holders(self, variable, owner, stage: int) -> list:
+        """The workers of `stage` (a stage holding `owner`) that hold
+        `variable`: every replica's for a variable, under ZeRO-1 one for a slot."""
+        if variable is owner or not self.zero1:
+            return list(range(stage, self._num_workers, self.num_stages))
+        return [stage + self._slot_replica[(stage, id(owner))] * self.num_stages]
+
+    def applied_update(self, grads, variables) -> tuple:
+        if not self.zero1:
+            return list(grads), list(variables)
+        mine = [k for k, v in enumerate(variables) if id(v) in self._slots_here]
+        return [grads[k] for k in mine], [variables[k] for k in mine]
+
+    def share_update(self, variables) -> None:
+        """Under ZeRO-1, after each replica of a stage updated its share of
+        the stage's variables: each updated variable summed over the stage's
+        replicas (its value from its replica, zeros from the others) into
+        the others' copies, one variable at a time (a whole stage's at once
+        would hold several copies of its weights)."""
+        if not self.zero1:
+            return
+        group, done = StageGroup(self), []
+        for k, variable in enumerate(variables):
+            mine = id(variable) in self._slots_here
+            with tf.control_dependencies(done[-1:]):
+                value = group.share(variable, k, mine)
+                done += [value] if mine else [component.assign(value)
+                                              for component in self._components(variable)]
 
     # -- lifecycle hooks (`Strategy`): the stages onto the chief and back ----------
     def gather_state(self, state) -> None:
@@ -143,7 +224,7 @@ class StagesAcrossProcesses:
     def reduce_update(self, grads, counters):
         """The stage's gradients summed over its R pipeline replicas (one
         collective per dtype among those R workers; none for R = 1), a shared
-        layer's over every worker of the stages holding it (`_SharedGroup`),
+        layer's over every worker of the stages holding it (`SharedGroup`),
         the counters over all N workers (the loss and metrics are counted on
         the last stage, zeros elsewhere). `grads` follow `updated_variables`
         (twice over where regularization's gradients are kept apart)."""
@@ -157,9 +238,9 @@ class StagesAcrossProcesses:
         summed = list(grads)
         for stages, positions in groups.items():
             if stages:
-                group = _SharedGroup(self, stages)
+                group = SharedGroup(self, stages)
             elif self.pipeline_replicas > 1:
-                group = _StageGroup(self)
+                group = StageGroup(self)
             else:
                 continue
             for k, value in zip(positions, group.all_reduce_sum([grads[k] for k in positions])):
@@ -206,7 +287,7 @@ class StagesAcrossProcesses:
         make = optimizer.add_variable_from_reference
 
         def add_variable_from_reference(reference, *args, **kwargs):
-            held = id(reference) in self._held
+            held = id(reference) in self._slots_here
             if not self.by_stage:
                 slot = make(reference, *args, **kwargs)
                 if not held:
@@ -228,7 +309,7 @@ class StagesAcrossProcesses:
             del optimizer.add_variable_from_reference   # the class's again
         for variable, slots in zip(variables, compat.optimizer_slots(optimizer, variables)):
             missed = [slot.path for slot in slots
-                      if id(variable) not in self._held and id(slot) not in self._released]
+                      if id(variable) not in self._slots_here and id(slot) not in self._released]
             if missed:
                 raise RuntimeError(
                     f"optimizer {type(optimizer).__name__} made slot(s) {missed} without "
@@ -244,7 +325,7 @@ class StagesAcrossProcesses:
         if not self.processes:
             return
         for variable, owner in pairs:
-            if id(owner) not in self._held:
+            if not self._keeps(variable, owner):
                 self._release(variable)
 
     def materialize(self, pairs) -> None:
@@ -295,20 +376,21 @@ class StagesAcrossProcesses:
         me, done = self._worker_index, []
         for k, (variable, owner) in enumerate(pairs):
             stage = self._stages_of[id(owner)][0]
-            if kind == "gather":
-                moves = [(stage, 0, _Transfer.GATHER_GROUP_BASE + stage)] if stage else []
+            if kind == "gather":   # from its owning stage's first worker holding it
+                source = self._holders(variable, owner, stage)[0]
+                moves = [(source, 0, Transfer.GATHER_GROUP_BASE + source)] if source else []
             else:   # to every worker of every stage holding it, from the chief or,
                 # where each process built only its stages, from the owning stage's replica 0
                 source = stage if self.by_stage else 0
                 moves = [(source, worker,
-                          _Transfer.SCATTER_GROUP_BASE + source * self._num_workers + worker)
+                          Transfer.SCATTER_GROUP_BASE + source * self._num_workers + worker)
                          for held_by in self._stages_of[id(owner)]
-                         for worker in range(held_by, self._num_workers, self.num_stages)
+                         for worker in self._holders(variable, owner, held_by)
                          if worker != source]
             for sender, receiver, group in moves:
                 if me in (sender, receiver):
                     with tf.control_dependencies(done[-1:]):
-                        done += self._move(variable, group, _Transfer.GATHER_INSTANCE_BASE + k,
+                        done += self._move(variable, group, Transfer.GATHER_INSTANCE_BASE + k,
                                            sending=me == sender)
         with tf.control_dependencies(done):   # (a send's output is used nowhere else)
             return tf.constant(0)
@@ -332,8 +414,8 @@ class StagesAcrossProcesses:
         the next stage]). Stage 0 reads `x`, the others receive their
         neighbour's output; `y` gives the batch's rows."""
         stage, last = self.stage, self.num_stages - 1
-        transfer = _Transfer(self, self.replica, tf.shape(tf.nest.flatten(y)[0])[0],
-                             instance_base=_Transfer.EVAL_INSTANCE_BASE)
+        transfer = Transfer(self, self.replica, tf.shape(tf.nest.flatten(y)[0])[0],
+                             instance_base=Transfer.EVAL_INSTANCE_BASE)
         with tf.name_scope(f"stage{stage}_E0"):
             source = x if stage == 0 else transfer.receive_activation(stage, 0)
             out = self._stage_models[stage](None if stage == 0 else source, x,
@@ -352,120 +434,3 @@ class StagesAcrossProcesses:
         if id(variable) in self._held:
             return value * tf.cast(self.num_stages, value.dtype)
         return tf.zeros_like(value)
-
-
-class _Transfer:
-    """Boundary tensors between the stages of one pipeline replica across
-    processes: one point-to-point group (a 2-member collective group) per
-    pair of neighbouring stages, one instance per micro-batch and direction.
-    The shapes come from the stage models' outputs (fixed after the batch),
-    the micro-batch's rows from the labels every worker reads."""
-
-    GROUP_BASE = 1 << 20      # far above MultiWorkerMirroredStrategy's own keys
-    INSTANCE_BASE = 1 << 20
-    EVAL_INSTANCE_BASE = INSTANCE_BASE + (1 << 15)   # `PipelineStrategy.forward`'s
-    # `gather_stages`: a group of worker 0 and worker s (stage s's owner)
-    GATHER_GROUP_BASE = GROUP_BASE + (1 << 17)
-    GATHER_INSTANCE_BASE = INSTANCE_BASE + (1 << 17)
-    # `scatter_stages`: a group of worker 0 and worker w
-    SCATTER_GROUP_BASE = GROUP_BASE + (1 << 18)
-
-    def __init__(self, strategy: PipelineStrategy, replica: int, rows,
-                 instance_base: int = INSTANCE_BASE):
-        self._strategy = strategy
-        self._replica = replica
-        self._timeout = float(strategy.config.collective_timeout_s)
-        self._rows = rows   # the batch's (or micro-batch's) rows
-        self._instance_base = instance_base
-
-    def _group(self, first: int) -> int:
-        """The group of stages `first` and `first` + 1 of this replica."""
-        return self.GROUP_BASE + self._replica * self._strategy.num_stages + first
-
-    def _dtype(self, first: int):
-        return tf.as_dtype(self._strategy._stage_outputs[first].dtype)
-
-    def _wire(self, first: int):
-        """The dtype a boundary tensor travels in: TensorFlow's collectives
-        take no bfloat16 (TF 2.21), so bfloat16 goes as float32 (exactly:
-        every bfloat16 is a float32) and is cast back on arrival."""
-        dtype = self._dtype(first)
-        return tf.float32 if dtype == tf.bfloat16 else dtype
-
-    def _send(self, value, first: int, instance: int):
-        return tf.raw_ops.CollectiveBcastSendV2(
-            input=tf.cast(value, self._wire(first)), group_size=2, group_key=self._group(first),
-            instance_key=self._instance_base + instance, communication_hint="auto",
-            timeout_seconds=self._timeout)
-
-    def _receive(self, first: int, instance: int):
-        boundary = self._strategy._stage_outputs[first].shape[1:]
-        # Outside the stage's chain: every receive is posted when the step
-        # starts, so the neighbour's send completes as soon as it runs and a
-        # transfer's latency hides behind this stage's other items.
-        with tf.control_dependencies(None):
-            shape = tf.concat([[self._rows], tf.constant(boundary, tf.int32)], 0)
-            received = tf.raw_ops.CollectiveBcastRecvV2(
-                group_size=2, group_key=self._group(first),
-                instance_key=self._instance_base + instance, shape=shape, T=self._wire(first),
-                communication_hint="auto", timeout_seconds=self._timeout)
-        return tf.cast(received, self._dtype(first))
-
-    def send_activation(self, stage: int, i: int, value):
-        return self._send(value, stage, 2 * i)
-
-    def receive_activation(self, stage: int, i: int):
-        return self._receive(stage - 1, 2 * i)
-
-    def send_gradient(self, stage: int, i: int, value):
-        return self._send(value, stage - 1, 2 * i + 1)
-
-    def receive_gradient(self, stage: int, i: int):
-        return self._receive(stage, 2 * i + 1)
-
-
-class _StageGroup:
-    """The R workers that run one stage (one per pipeline replica), as a
-    collective group: their gradients summed, one collective per dtype."""
-
-    GROUP_BASE = _Transfer.GROUP_BASE + (1 << 16)   # beside the stage pairs' groups
-    INSTANCE_BASE = _Transfer.INSTANCE_BASE + (1 << 16)
-
-    def __init__(self, strategy: PipelineStrategy):
-        self._strategy = strategy
-        self.size = strategy.pipeline_replicas
-        self.key = self.GROUP_BASE + strategy.stage
-
-    def all_reduce_sum(self, tensors) -> list:
-        instances = itertools.count(self.INSTANCE_BASE)   # one per dtype
-        return by_dtype(tensors, lambda same: self._sum(same, next(instances)))
-
-    def _sum(self, tensors, instance_key: int) -> list:
-        """One collective for `tensors` (one dtype), packed into one vector."""
-        dtype = tensors[0].dtype
-        # bfloat16 (--grad_compression=bf16) goes as float32, as boundaries do.
-        wire = tf.float32 if dtype == tf.bfloat16 else dtype
-        flat = tf.concat([tf.reshape(tf.cast(t, wire), [-1]) for t in tensors], 0)
-        summed = tf.raw_ops.CollectiveReduceV2(
-            input=flat, group_size=self.size, group_key=self.key, instance_key=instance_key,
-            ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
-            timeout_seconds=float(self._strategy.config.collective_timeout_s))
-        parts = tf.split(summed, [t.shape.num_elements() for t in tensors])
-        return [tf.cast(tf.reshape(part, t.shape), dtype) for part, t in zip(parts, tensors)]
-
-
-class _SharedGroup(_StageGroup):
-    """Every worker of the stages that hold a shared layer (tied embeddings:
-    stage 0 and the last), across all pipeline replicas: the layer's
-    gradients summed among them, so each stage's copy takes the same update.
-    One group per set of stages, its key the set's place among the model's
-    sets (the same on every worker: the split is)."""
-
-    GROUP_BASE = _StageGroup.GROUP_BASE + (1 << 15)
-    INSTANCE_BASE = _StageGroup.INSTANCE_BASE + (1 << 15)
-
-    def __init__(self, strategy: PipelineStrategy, stages: tuple):
-        super().__init__(strategy)
-        self.size = len(stages) * strategy.pipeline_replicas
-        self.key = self.GROUP_BASE + sorted(set(strategy.shared_variables().values())).index(
-            stages)

@@ -10,7 +10,7 @@ import contextlib
 import tensorflow as tf
 
 from tfdist.pipeline import schedule as schedule_lib
-from tfdist.strategies.pipeline.processes import _Transfer
+from tfdist.strategies.pipeline.collectives import Transfer
 
 
 def replica_items(strategy, losses, parts, replica, in_process_replicas):
@@ -31,7 +31,7 @@ class _ReplicaItems:
         self.last_stage = strategy.num_stages - 1
         self.here = set(strategy.local_stages)
         rows = tf.shape(tf.nest.flatten(tf.nest.map_structure(lambda t: t[0], parts[1]))[0])[0]
-        self.transfer = _Transfer(strategy, replica, rows) if strategy.processes else None
+        self.transfer = Transfer(strategy, replica, rows) if strategy.processes else None
         self.outputs, self.inputs, self.tapes = {}, {}, {}
         self.regularization, self.input_grads = {}, {}
         self.grads, self.separate = {}, {}

@@ -1,0 +1,149 @@
+"""The collectives between a cross-process pipeline's workers: the boundary
+tensors between neighbouring stages' workers (`Transfer`), the sum over one
+stage's pipeline replicas (`StageGroup`), and over every worker of the stages
+that share a layer (`SharedGroup`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import tensorflow as tf
+
+from tfdist.strategies.base import by_dtype
+
+if TYPE_CHECKING:
+    from tfdist.strategies.pipeline.engine import PipelineStrategy
+
+
+class Transfer:
+    """Boundary tensors between the stages of one pipeline replica across
+    processes: one point-to-point group (a 2-member collective group) per
+    pair of neighbouring stages, one instance per micro-batch and direction.
+    The shapes come from the stage models' outputs (fixed after the batch),
+    the micro-batch's rows from the labels every worker reads."""
+
+    GROUP_BASE = 1 << 20      # far above MultiWorkerMirroredStrategy's own keys
+    INSTANCE_BASE = 1 << 20
+    EVAL_INSTANCE_BASE = INSTANCE_BASE + (1 << 15)   # `PipelineStrategy.forward`'s
+    # `gather_stages`: a group of worker 0 and worker s (stage s's owner)
+    GATHER_GROUP_BASE = GROUP_BASE + (1 << 17)
+    GATHER_INSTANCE_BASE = INSTANCE_BASE + (1 << 17)
+    # `scatter_stages`: a group of worker 0 and worker w
+    SCATTER_GROUP_BASE = GROUP_BASE + (1 << 18)
+
+    def __init__(self, strategy: PipelineStrategy, replica: int, rows,
+                 instance_base: int = INSTANCE_BASE):
+        self._strategy = strategy
+        self._replica = replica
+        self._timeout = float(strategy.config.collective_timeout_s)
+        self._rows = rows   # the batch's (or micro-batch's) rows
+        self._instance_base = instance_base
+
+    def _group(self, first: int) -> int:
+        """The group of stages `first` and `first` + 1 of this replica."""
+        return self.GROUP_BASE + self._replica * self._strategy.num_stages + first
+
+    def _dtype(self, first: int):
+        return tf.as_dtype(self._strategy._stage_outputs[first].dtype)
+
+    def _wire(self, first: int):
+        """The dtype a boundary tensor travels in: TensorFlow's collectives
+        take no bfloat16 (TF 2.21), so bfloat16 goes as float32 (exactly:
+        every bfloat16 is a float32) and is cast back on arrival."""
+        dtype = self._dtype(first)
+        return tf.float32 if dtype == tf.bfloat16 else dtype
+
+    def _send(self, value, first: int, instance: int):
+        return tf.raw_ops.CollectiveBcastSendV2(
+            input=tf.cast(value, self._wire(first)), group_size=2, group_key=self._group(first),
+            instance_key=self._instance_base + instance, communication_hint="auto",
+            timeout_seconds=self._timeout)
+
+    def _receive(self, first: int, instance: int):
+        boundary = self._strategy._stage_outputs[first].shape[1:]
+        # Outside the stage's chain: every receive is posted when the step
+        # starts, so the neighbour's send completes as soon as it runs and a
+        # transfer's latency hides behind this stage's other items.
+        with tf.control_dependencies(None):
+            shape = tf.concat([[self._rows], tf.constant(boundary, tf.int32)], 0)
+            received = tf.raw_ops.CollectiveBcastRecvV2(
+                group_size=2, group_key=self._group(first),
+                instance_key=self._instance_base + instance, shape=shape, T=self._wire(first),
+                communication_hint="auto", timeout_seconds=self._timeout)
+        return tf.cast(received, self._dtype(first))
+
+    def send_activation(self, stage: int, i: int, value):
+        return self._send(value, stage, 2 * i)
+
+    def receive_activation(self, stage: int, i: int):
+        return self._receive(stage - 1, 2 * i)
+
+    def send_gradient(self, stage: int, i: int, value):
+        return self._send(value, stage - 1, 2 * i + 1)
+
+    def receive_gradient(self, stage: int, i: int):
+        return self._receive(stage, 2 * i + 1)
+
+
+class StageGroup:
+    """The R workers that run one stage (one per pipeline replica), as a
+    collective group: their gradients summed, one collective per dtype."""
+
+    GROUP_BASE = Transfer.GROUP_BASE + (1 << 16)   # beside the stage pairs' groups
+    INSTANCE_BASE = Transfer.INSTANCE_BASE + (1 << 16)
+    SHARE_INSTANCE_BASE = INSTANCE_BASE + (1 << 8)   # `share`'s, one per variable
+
+    def __init__(self, strategy: PipelineStrategy):
+        self._strategy = strategy
+        self.size = strategy.pipeline_replicas
+        self.key = self.GROUP_BASE + strategy.stage
+
+    def share(self, variable, index: int, mine: bool):
+        """`variable`'s value from the one member where `mine` (its
+        `index`-th share in a step): the sum of that value and the others'
+        zeros (exact), one collective. (A broadcast from that member,
+        which would send half as much, timed out here: TF 2.21.)"""
+        value = tf.convert_to_tensor(variable)
+        wire = tf.float32 if value.dtype == tf.bfloat16 else value.dtype
+        sent = tf.cast(value, wire) if mine else tf.zeros(value.shape, wire)
+        summed = tf.raw_ops.CollectiveReduceV2(
+            input=sent, group_size=self.size, group_key=self.key,
+            instance_key=self.SHARE_INSTANCE_BASE + index, ordering_token=[], merge_op="Add",
+            final_op="Id", communication_hint="auto",
+            timeout_seconds=float(self._strategy.config.collective_timeout_s))
+        return tf.cast(summed, value.dtype)
+
+    def all_reduce_sum(self, tensors) -> list:
+        instances = itertools.count(self.INSTANCE_BASE)   # one per dtype
+        return by_dtype(tensors, lambda same: self._sum(same, next(instances)))
+
+    def _sum(self, tensors, instance_key: int) -> list:
+        """One collective for `tensors` (one dtype), packed into one vector."""
+        dtype = tensors[0].dtype
+        # bfloat16 (--grad_compression=bf16) goes as float32, as boundaries do.
+        wire = tf.float32 if dtype == tf.bfloat16 else dtype
+        flat = tf.concat([tf.reshape(tf.cast(t, wire), [-1]) for t in tensors], 0)
+        summed = tf.raw_ops.CollectiveReduceV2(
+            input=flat, group_size=self.size, group_key=self.key, instance_key=instance_key,
+            ordering_token=[], merge_op="Add", final_op="Id", communication_hint="auto",
+            timeout_seconds=float(self._strategy.config.collective_timeout_s))
+        parts = tf.split(summed, [t.shape.num_elements() for t in tensors])
+        return [tf.cast(tf.reshape(part, t.shape), dtype) for part, t in zip(parts, tensors)]
+
+
+class SharedGroup(StageGroup):
+    """Every worker of the stages that hold a shared layer (tied embeddings:
+    stage 0 and the last), across all pipeline replicas: the layer's
+    gradients summed among them, so each stage's copy takes the same update.
+    One group per set of stages, its key the set's place among the model's
+    sets (the same on every worker: the split is)."""
+
+    GROUP_BASE = StageGroup.GROUP_BASE + (1 << 15)
+    INSTANCE_BASE = StageGroup.INSTANCE_BASE + (1 << 15)
+
+    def __init__(self, strategy: PipelineStrategy, stages: tuple):
+        super().__init__(strategy)
+        self.size = len(stages) * strategy.pipeline_replicas
+        self.key = self.GROUP_BASE + sorted(set(strategy.shared_variables().values())).index(
+            stages)
