@@ -5,7 +5,6 @@ whole in-process suite runs on 4 logical CPUs configured here, first:
 mirrored runs use the first 2 (`virtual_devices=2`), DTensor meshes all 4.
 """
 
-import faulthandler
 import glob
 import os
 import shutil
@@ -13,7 +12,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The suite's runs measure the matmul peak while other tests load the cores: a
@@ -224,27 +225,32 @@ def pytest_runtest_setup(item):
 
 # -- a test that takes far longer than any should: every thread's stack --------
 # A test over STALL_S (the longest take ~85 s here; TFDIST_TEST_STALL_S sets
-# another) writes every thread of its worker to a file, printed at the end of
-# the run: where it was waiting.
+# another) writes every Python thread of its worker to a file, printed at the
+# end of the run: where it was waiting. From a timer thread holding the GIL
+# (`sys._current_frames`): faulthandler's dump reads the other threads'
+# frames without it and once crashed a worker mid-dump.
 STALL_S = float(os.environ.get("TFDIST_TEST_STALL_S", 100))
+
+
+def _write_stacks(nodeid: str, path: str) -> None:
+    frames = sys._current_frames()
+    with open(path, "w") as stacks:
+        stacks.write(f"{nodeid} ran over {STALL_S:g}s; its worker's threads then:\n")
+        for ident, frame in frames.items():
+            stacks.write(f"\nThread {ident:#x}:\n" + "".join(traceback.format_stack(frame)))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     path = os.path.join(os.environ["TFDIST_CACHE_DIR"],
                         f"stall-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{time.time():.0f}")
-    with open(path, "w") as stacks:
-        stacks.write(f"{item.nodeid} ran over {STALL_S}s; its worker's threads then:\n")
-        stacks.flush()
-        faulthandler.dump_traceback_later(STALL_S, file=stacks)
-        try:
-            yield
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-    with open(path) as stacks:
-        stalled = "Thread 0x" in stacks.read()
-    if not stalled:
-        os.remove(path)
+    timer = threading.Timer(STALL_S, _write_stacks, args=(item.nodeid, path))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 _FILE_SECONDS = {}
