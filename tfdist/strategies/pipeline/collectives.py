@@ -26,7 +26,8 @@ class Transfer:
     GROUP_BASE = 1 << 20      # far above MultiWorkerMirroredStrategy's own keys
     INSTANCE_BASE = 1 << 20
     EVAL_INSTANCE_BASE = INSTANCE_BASE + (1 << 15)   # `PipelineStrategy.forward`'s
-    # `gather_stages`: a group of worker 0 and worker s (stage s's owner)
+    # `gather_stages`: a group of worker 0 and worker w (the first of a stage's
+    # workers holding a tensor: its replica 0, or under ZeRO-1 a slot's replica)
     GATHER_GROUP_BASE = GROUP_BASE + (1 << 17)
     GATHER_INSTANCE_BASE = INSTANCE_BASE + (1 << 17)
     # `scatter_stages`: a group of worker 0 and worker w
@@ -92,7 +93,8 @@ class StageGroup:
 
     GROUP_BASE = Transfer.GROUP_BASE + (1 << 16)   # beside the stage pairs' groups
     INSTANCE_BASE = Transfer.INSTANCE_BASE + (1 << 16)
-    SHARE_INSTANCE_BASE = INSTANCE_BASE + (1 << 8)   # `share`'s, one per variable
+    # `share`'s, one per variable of a stage (below `SharedGroup`'s instances)
+    SHARE_INSTANCE_BASE = INSTANCE_BASE + (1 << 8)
 
     def __init__(self, strategy: PipelineStrategy):
         self._strategy = strategy

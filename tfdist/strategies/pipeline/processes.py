@@ -415,7 +415,7 @@ class StagesAcrossProcesses:
         neighbour's output; `y` gives the batch's rows."""
         stage, last = self.stage, self.num_stages - 1
         transfer = Transfer(self, self.replica, tf.shape(tf.nest.flatten(y)[0])[0],
-                             instance_base=Transfer.EVAL_INSTANCE_BASE)
+                            instance_base=Transfer.EVAL_INSTANCE_BASE)
         with tf.name_scope(f"stage{stage}_E0"):
             source = x if stage == 0 else transfer.receive_activation(stage, 0)
             out = self._stage_models[stage](None if stage == 0 else source, x,
