@@ -2,6 +2,7 @@
 
 PROG = "tfdist-launch"
 POLL_S = 0.1          # how often worker exits are checked; no busy loop
+USAGE_EXIT = 2        # bad input: the launcher's, and tfdist-train's before it trains
 
 
 class UsageError(Exception):

@@ -11,7 +11,7 @@ import threading
 import time
 
 from .cluster_spec import cluster_roles, pick_ports, tf_config
-from .common import POLL_S, UsageError
+from .common import POLL_S, USAGE_EXIT, UsageError
 from .memory import memory_events, oom_kills
 from .network import describe_cluster
 from .output import log, pump
@@ -241,6 +241,10 @@ def run(opts, cmd, interrupts, network=(False, None), caps=None):
             return 128 + outcome
         if interrupts:  # a Ctrl-C during the fail-fast stop means: do not restart
             return 128 + interrupts[0]
+        if outcome.proc.returncode == USAGE_EXIT:   # bad input: a restart fails the same way
+            log(f"failed: {outcome.describe_exit()} (bad input, as its error says; not "
+                "restarted); all workers stopped")
+            return USAGE_EXIT
     log(f"failed: {outcome.describe_exit()}; all workers stopped "
         f"(restarts used: {opts.max_restarts} of {opts.max_restarts})")
     return 1

@@ -195,6 +195,21 @@ def test_restarts_are_bounded(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_worker_refusing_its_input_is_not_restarted_and_exits_2(tmp_path):
+    """Exit status 2 is bad input (tfdist-train's one-line error before it
+    trains): a restart would fail the same way, so the launcher stops, exits
+    2 and keeps its restarts (the control: any other failure is restarted,
+    test_restarts_are_bounded)."""
+    result, _ = launch(["--workers=2", "--max_restarts=2"], "sys.exit(2 if IDX else 0)",
+                       tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "restarting" not in result.stderr
+    assert last_line(result.stderr) == ("tfdist-launch: failed: worker 1 exited with status 2 "
+                                        "(bad input, as its error says; not restarted); all "
+                                        "workers stopped")
+
+
+@pytest.mark.timeout(30)
 def test_port_base_skips_a_port_in_use(tmp_path):
     with socket.socket() as held:
         held.bind(("localhost", 0))
