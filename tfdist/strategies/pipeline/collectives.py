@@ -106,15 +106,9 @@ class StageGroup:
         `index`-th share in a step): the sum of that value and the others'
         zeros (exact), one collective. (A broadcast from that member,
         which would send half as much, timed out here: TF 2.21.)"""
-        value = tf.convert_to_tensor(variable)
-        wire = tf.float32 if value.dtype == tf.bfloat16 else value.dtype
-        sent = tf.cast(value, wire) if mine else tf.zeros(value.shape, wire)
-        summed = tf.raw_ops.CollectiveReduceV2(
-            input=sent, group_size=self.size, group_key=self.key,
-            instance_key=self.SHARE_INSTANCE_BASE + index, ordering_token=[], merge_op="Add",
-            final_op="Id", communication_hint="auto",
-            timeout_seconds=float(self._strategy.config.collective_timeout_s))
-        return tf.cast(summed, value.dtype)
+        sent = (tf.convert_to_tensor(variable) if mine
+                else tf.zeros(variable.shape, variable.dtype))
+        return self._sum([sent], self.SHARE_INSTANCE_BASE + index)[0]
 
     def all_reduce_sum(self, tensors) -> list:
         instances = itertools.count(self.INSTANCE_BASE)   # one per dtype
