@@ -396,6 +396,10 @@ def _checkpointer(config, strategy, model, optimizer, trainer) -> Optional[Check
                                 shared_write=isinstance(strategy, TensorSharding)
                                 and strategy.num_workers > 1,
                                 model=model, optimizer=optimizer, step=trainer.step)
+    pipeline = capability(strategy, PipelineStages)
+    if pipeline:   # each process writes and reads its own stages' part
+        checkpointer.parts = pipeline.checkpoint_parts(checkpointer.checkpoint,
+                                                       trainer.training_state)
     if trainer.replica_state_variables:
         checkpointer.replica_state = ReplicaState(
             checkpoint_dir(tc.model_dir), keep=tc.keep_checkpoints,

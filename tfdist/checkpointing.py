@@ -81,6 +81,10 @@ class Checkpointer:
         # State each replica keeps for itself (error feedback, local optimizer
         # state), saved by every process with every checkpoint (`ReplicaState`).
         self.replica_state: Optional[ReplicaState] = None
+        # Where the engine splits the state across processes and each writes
+        # and reads its own part (`tfdist.checkpoint_parts`); None: the chief
+        # writes the whole checkpoint.
+        self.parts = None
 
     # -- what is there ---------------------------------------------------------
     def candidates(self) -> list[str]:
@@ -114,9 +118,12 @@ class Checkpointer:
         candidates = self.candidates()
         for path in candidates:
             try:
-                # expect_partial: optimizer slots of a different optimizer
-                # config, or a checkpoint without them, must not abort a resume.
-                self.checkpoint.restore(path).expect_partial()
+                if self.parts is not None:   # every process: its own variables
+                    self.parts.restore(path)
+                else:
+                    # expect_partial: optimizer slots of a different optimizer
+                    # config, or a checkpoint without them, must not abort a resume.
+                    self.checkpoint.restore(path).expect_partial()
             except Exception as error:  # noqa: BLE001  (damage shows as OpError, IndexError, ...)
                 older = [p for p in candidates if _step_of(p) < _step_of(path)]
                 logging.warning("checkpoint %s cannot be read (%s); %s", path,
@@ -138,6 +145,8 @@ class Checkpointer:
             self.input_position.save(step)
         if self.replica_state is not None:    # every process: its own replicas'
             self.replica_state.save(step)
+        if self.parts is not None:
+            return self._save_parts(step)
         if not self.is_chief and self.shared_write:
             # A mesh over processes (DTensor clients): each writes the shards
             # it holds into the same checkpoint; the chief verifies and indexes.
@@ -164,6 +173,30 @@ class Checkpointer:
                 f"{first_line(error)}; "
                 + (f"the previous checkpoint {os.path.basename(previous)} is intact"
                    if previous else "no earlier checkpoint exists")) from None
+        self._index(written)
+        return written
+
+    def _save_parts(self, step: int) -> Optional[str]:
+        """Every process writes its part; the chief merges, verifies and indexes."""
+        path = os.path.join(self.directory, f"{_PREFIX}-{step}")
+        if self._current == path:
+            return path if self.is_chief else None
+        try:
+            self.parts.write(path, finish=self._verified_and_indexed)
+        except Exception as error:  # noqa: BLE001  (PartsFailed; raised on every process)
+            if self.is_chief:
+                _remove(path)
+            raise CheckpointWriteError(
+                f"{first_line(error)}; the previous checkpoints are intact") from None
+        self._current = path
+        return path if self.is_chief else None
+
+    def _verified_and_indexed(self, written: str) -> None:
+        _verify(written)
+        self._index(written)
+
+    def _index(self, written: str) -> None:
+        """After `written` was verified: the index names it, older ones beyond `keep` go."""
         kept = [p for p in self.candidates() if p != written][:self.keep - 1]
         kept = sorted([written, *kept], key=_step_of)
         try:
@@ -179,7 +212,6 @@ class Checkpointer:
                 _remove(old)
         logging.info("saved %s", written)
         self._current = written
-        return written
 
 
 class InputPosition:

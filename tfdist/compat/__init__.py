@@ -76,6 +76,7 @@ from tfdist.compat.keras_optimizers import (
     variable_index,
 )
 from tfdist.compat.tf_internals import (
+    checkpoint_object_graph,
     COLLECTIVE_KEY_STRIDE,
     coordination_key_value,
     custom_gradients_on_tape,
@@ -96,7 +97,8 @@ from tfdist.compat.tf_internals import (
 __all__ = [
     "COLLECTIVE_KEY_STRIDE", "KERAS_RANDOM_DRAWS", "UpstreamChanged", "VERIFIED", "adam_slots",
     "EMPTY", "LOCAL", "align_ranks", "build_metric", "build_without_storage",
-    "created_without_broadcast", "give_storage", "check_keras_variable_of", "checkpoint_sharded_whole",
+    "checkpoint_object_graph", "created_without_broadcast", "give_storage", "check_keras_variable_of",
+    "checkpoint_sharded_whole",
     "compiled_config", "coordination_key_value", "custom_gradients_on_tape",
     "defer_keras_matplotlib", "disable_optimizer_all_reduce",
     "dtensor_dataset_one_client_per_replica", "dtensor_fsdp_lowering", "functional_graph",

@@ -139,6 +139,36 @@ def update_checkpoint_state(directory: str, path: str, *, all_paths) -> None:
            save_relative_paths=True)
 
 
+def checkpoint_object_graph(serialized: bytes) -> list:
+    """The nodes of a checkpoint's object graph (its `_CHECKPOINTABLE_OBJECT_GRAPH`
+    entry), in order: ([(child node id, local name)], [(attribute name,
+    checkpoint key)]) each; node 0 is the root `tf.train.Checkpoint`.
+
+    What: `tensorflow.core.protobuf.trackable_object_graph_pb2.
+    TrackableObjectGraph`, the proto TensorFlow writes into every checkpoint
+    (not exported under `tf.*`). Why: a checkpoint whose processes each write
+    and read their own part (`tfdist/checkpoint_parts.py`) must know each
+    variable's key in the checkpoint, which TensorFlow derives from the
+    object graph; reading the graph it wrote is exact where re-deriving its
+    naming rules would not be. Verified: tensorflow 2.21.0. Check: the module
+    imports and its nodes carry `children` (node_id, local_name) and
+    `attributes` (name, checkpoint_key).
+    """
+    what = "tensorflow.core.protobuf.trackable_object_graph_pb2.TrackableObjectGraph"
+    try:
+        from tensorflow.core.protobuf import trackable_object_graph_pb2
+    except ImportError:
+        raise _changed(what) from None
+    graph = _require(trackable_object_graph_pb2, "TrackableObjectGraph", what)()
+    graph.ParseFromString(serialized)
+    node_fields = graph.DESCRIPTOR.fields_by_name["nodes"].message_type.fields_by_name
+    if not {"children", "attributes"} <= set(node_fields):
+        raise _changed(what, "has no children or attributes per node")
+    return [([(child.node_id, child.local_name) for child in node.children],
+             [(attribute.name, attribute.checkpoint_key) for attribute in node.attributes])
+            for node in graph.nodes]
+
+
 def graph_function(graph, name: str):
     """The traced function `name` of `graph`'s library (with its FuncGraph), or None.
 

@@ -297,6 +297,13 @@ class PipelineStages(Capability):
     def release_others(self, pairs) -> None:
         """Free this process's storage of the other stages' `pairs`."""
 
+    def checkpoint_parts(self, checkpoint, state):
+        """A `tfdist.checkpoint_parts.CheckpointParts` through which each
+        process writes and reads its own part of `checkpoint` (`state`: the
+        trainer's `TrainingState`), or None: the chief writes it whole after
+        `gather_state`."""
+        return None
+
     def materialize(self, pairs) -> None:
         """Give every freed variable of `pairs` its storage back (zeros), before
         something writes them all (a restore, a broadcast)."""

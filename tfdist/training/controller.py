@@ -68,7 +68,7 @@ class Controller:
         self.data = TrainingData(config=config, strategy=strategy, inputs=inputs,
                                  checkpointer=checkpointer)
         self.nonfinite = nonfinite.Policy(tc, strategy, checkpointer,
-                                          before_restore=trainer.hold_state,
+                                          before_restore=self._hold_state,
                                           restore_state=self._broadcast_restored)
         self.elastic = capability(strategy, ElasticMembership)
         self.tensorboard = TensorBoard(tc.model_dir, enabled=strategy.is_chief)
@@ -94,8 +94,8 @@ class Controller:
         workers left or joined."""
         restored = None
         if self.checkpointer:
-            if self.checkpointer.candidates():   # a restore writes every variable
-                self.trainer.hold_state()
+            if self.checkpointer.candidates():
+                self._hold_state()
             restored = self.checkpointer.restore_latest()
         state = self.trainer.state_variables
         try:
@@ -103,7 +103,7 @@ class Controller:
                              describe=self.strategy.describe_process) as signals:
                 if self.elastic:
                     return self.elastic.train_elastic(lambda: self._train_to_end(signals), state)
-                self.trainer.broadcast_state(restored is not None)
+                self._broadcast_state(restored is not None)
                 self._restore_replica_state()
                 return self._train_to_end(signals)
         finally:
@@ -180,10 +180,7 @@ class Controller:
             run.eval_metrics = self.evaluate()
             logged.update(run.eval_metrics)
         if self.checkpointer and (due(tc.checkpoint_every) or step == self.total_steps):
-            self.trainer.gather_state()
-            self.checkpointer.save(step)
-            if step < self.total_steps:
-                self.trainer.release_state()
+            self._save(step, release=step < self.total_steps)
         if self.strategy.step_copies > 1:   # an explicit all-reduce
             logged["bytes_reduced_per_update"] = self.trainer.bytes_per_update
         scheduled = capability(self.strategy, ScheduledSteps)
@@ -241,15 +238,40 @@ class Controller:
         if signals.interrupted:
             raise KeyboardInterrupt
         if step < self.total_steps and self.strategy.any_worker(signals.preempted):
-            self.trainer.gather_state()
-            saved = self.checkpointer.save(step) if self.checkpointer else None
+            saved = self._save(step, release=False) if self.checkpointer else None
             if saved is None and self.checkpointer and not self.strategy.is_chief:
                 saved = "(by the chief)"
             raise Preempted(step, saved)
 
+    # -- the state and its checkpoints -----------------------------------------------
+    def _save(self, step: int, release: bool):
+        """Checkpoint `step`: the whole state gathered onto the chief for the
+        write (and released after it, if `release`), unless each process
+        writes its own part."""
+        whole = self.checkpointer.parts is None
+        if whole:
+            self.trainer.gather_state()
+        saved = self.checkpointer.save(step)
+        if whole and release:
+            self.trainer.release_state()
+        return saved
+
+    def _hold_state(self) -> None:
+        """Before a restore: where the chief restores the whole state, storage
+        for every variable (a restore writes each); where each process reads
+        its own part, nothing."""
+        if self.checkpointer.parts is None:
+            self.trainer.hold_state()
+
+    def _broadcast_state(self, restored: bool) -> None:
+        """Every replica starts from the chief's state, unless each process
+        restored its own part in place."""
+        if not (restored and self.checkpointer and self.checkpointer.parts is not None):
+            self.trainer.broadcast_state(restored)
+
     def _broadcast_restored(self) -> int:
-        """After a rollback's restore on the chief: its state everywhere; the step."""
-        self.trainer.broadcast_state(True)
+        """After a rollback's restore: the restored state everywhere; the step."""
+        self._broadcast_state(True)
         self._restore_replica_state()
         return self.trainer.current_step()
 

@@ -166,6 +166,21 @@ class StagesAcrossProcesses:
                 done += [value] if mine else [component.assign(value)
                                               for component in self._components(variable)]
 
+    def checkpoint_parts(self, checkpoint, state):
+        """Across processes, checkpoints written and read in parts: each
+        stage's variables and slots by the worker that holds them (the one
+        `gather_stages` would take them from), the rest by the chief."""
+        if not self.processes:
+            return None
+        from tfdist.checkpoint_parts import CheckpointParts
+
+        def writer(variable, owner) -> int:
+            return self._holders(variable, owner, self._stages_of[id(owner)][0])[0]
+
+        parts = CheckpointParts(self, checkpoint, pairs=state.owned, writer=writer,
+                                keeps=self._keeps)
+        return parts if parts.prepare() else None
+
     # -- lifecycle hooks (`Strategy`): the stages onto the chief and back ----------
     def gather_state(self, state) -> None:
         """The chief takes every variable and optimizer slot from its stage's
