@@ -125,7 +125,9 @@ def _main(out_dir, strategy, steps, overrides):
     with open(os.path.join(out_dir, f"made-{index}.json"), "w") as f:
         json.dump({"trainable_made": sum(made),
                    "trainable_held": sum(int(np.size(v.numpy()))
-                                         for v in result.model.trainable_variables)}, f)
+                                         for v in result.model.trainable_variables),
+                   "trainable_total": sum(int(np.prod(v.shape))
+                                          for v in result.model.trainable_variables)}, f)
     _save(out_dir, strategy, index, result)
 
 

@@ -475,18 +475,24 @@ def _finish(config, strategy, model, optimizer, summary, task, rebuild) -> RunRe
     elif capability(strategy, ScheduledSteps) and strategy.is_chief:
         # Keras would schedule predict on the workers, which refuses host data.
         model = export_lib.host_copy(model, strategy, rebuild)
+    pipeline = capability(strategy, PipelineStages)
+    staged = pipeline is not None and not pipeline.holds_whole_model()
     if isinstance(model, MeshModel) and tc.export_dir:   # every process: gathers
         summary["export"] = export_lib.export_mesh_model(model, tc.export_dir)
+    elif strategy.is_chief and tc.export_dir and staged:   # not gathered: it said why
+        logging.warning("no export to %s: the chief holds its pipeline stages only; run "
+                        "tfdist-export --model_dir=%s --export_dir=%s where the model fits",
+                        tc.export_dir, tc.model_dir, tc.export_dir)
     elif strategy.is_chief and tc.export_dir:
         summary["export"] = export_lib.export_model(
             model, tc.export_dir, strategy=None if sharded else strategy,
             rebuild=None if sharded else rebuild)
     if strategy.is_chief and tc.model_dir:
         summary_lib.write_summary(tc.model_dir, summary)
-    pipeline = capability(strategy, PipelineStages)
-    if pipeline and not pipeline.holds_whole_model():
-        logging.info("%s holds its pipeline stage only: RunResult.model predicts, evaluates "
-                     "and exports on the chief", strategy.describe_process())
+    if staged:
+        logging.info("%s holds its pipeline stages only: RunResult.model predicts, evaluates "
+                     "and exports on the chief where it gathered the trained model "
+                     "(--pipeline_gather)", strategy.describe_process())
     if sharded is not None:
         strategy.end_of_run()
     return RunResult(summary=summary, model=model, optimizer=optimizer,

@@ -273,3 +273,91 @@ def test_pruning_tolerates_a_file_another_process_removed_first(tmp_path):
 
     checkpointing._prune(str(tmp_path), r"ckpt-(\d+)\.json", 1, remove_twice)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-6.json"]
+
+
+# -- a checkpoint written and read in parts (tfdist/checkpoint_parts.py) ------------
+# In one process, as worker 0 of 1: the pipeline's clusters
+# (tests/integration/test_pipeline_processes.py) write and read them across processes.
+
+class _OneWorker:
+    worker_index, is_chief = 0, True
+
+    @staticmethod
+    def any_worker(flag):
+        return flag
+
+    @staticmethod
+    def describe_process():
+        return "worker 0/1 chief"
+
+
+def _parts_checkpointer(directory, model, optimizer, keeps=lambda variable, owner: True):
+    from tfdist.checkpoint_parts import CheckpointParts
+    checkpointer = checkpointing.Checkpointer(str(directory), keep=2, is_chief=True,
+                                              model=model, optimizer=optimizer)
+    pairs = [(v, v) for v in model.trainable_variables]
+    parts = CheckpointParts(_OneWorker, checkpointer.checkpoint, pairs=lambda: pairs,
+                            writer=lambda variable, owner: 0, keeps=keeps)
+    assert parts.prepare()
+    checkpointer.parts = parts
+    return checkpointer
+
+
+def _model_and_adam():
+    import keras
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    for k, variable in enumerate([*model.variables, *optimizer.variables]):
+        variable.assign(tf.fill(variable.shape, tf.cast(k + 1, variable.dtype)))
+    return model, optimizer
+
+
+def test_a_checkpoint_in_parts_is_the_checkpoint_written_whole(tmp_path):
+    """The merged parts hold every key of a whole `tf.train.Checkpoint.write` of
+    the same state, with the same values and object graph, and restore in
+    place; a variable this process does not keep is left as it is."""
+    model, optimizer = _model_and_adam()
+    checkpointer = _parts_checkpointer(tmp_path / "parts", model, optimizer)
+    written = checkpointer.save(3)
+    whole = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "whole"))
+    a, b = tf.train.load_checkpoint(written), tf.train.load_checkpoint(whole)
+    assert a.get_variable_to_shape_map() == b.get_variable_to_shape_map()
+    for key in b.get_variable_to_shape_map():
+        np.testing.assert_array_equal(a.get_tensor(key), b.get_tensor(key))
+    assert not [name for name in os.listdir(tmp_path / "parts") if name.startswith(".parts")]
+    saved = [v.numpy() for v in [*model.variables, *optimizer.variables]]
+    kept = model.trainable_variables[0]
+    for variable in [*model.variables, *optimizer.variables]:
+        variable.assign(tf.zeros(variable.shape, variable.dtype))
+    reader = _parts_checkpointer(tmp_path / "parts", model, optimizer,
+                                 keeps=lambda variable, owner: variable is not kept)
+    assert reader.restore_latest() == written
+    for variable, value in zip([*model.variables, *optimizer.variables], saved):
+        if variable is kept:
+            assert not variable.numpy().any()   # not this process's: not read
+        else:
+            np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def test_a_part_that_cannot_be_written_fails_the_save_and_keeps_the_previous(tmp_path):
+    model, optimizer = _model_and_adam()
+    checkpointer = _parts_checkpointer(tmp_path, model, optimizer)
+    checkpointer.save(2)
+    os.makedirs(tmp_path / ".parts-ckpt-4" / "worker-0.index")   # not removable as a file
+    with pytest.raises(checkpointing.CheckpointWriteError,
+                       match=r"worker 0/1 chief: cannot write its part of checkpoint .*ckpt-4"
+                             r".*the previous checkpoints are intact"):
+        checkpointer.save(4)
+    assert checkpointer.latest.endswith("ckpt-2") and not tf.io.gfile.glob(
+        str(tmp_path / "ckpt-4.*"))
+    # A checkpoint of another model (a shape that differs) is not read: the
+    # restore says which key differs (the log) and finds nothing readable.
+    import keras
+    wider = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    wider_optimizer = keras.optimizers.Adam()
+    wider_optimizer.build(wider.trainable_variables)
+    with pytest.raises(tfdist.errors.UsageError, match="none of its 1 checkpoint"):
+        _parts_checkpointer(tmp_path, wider, wider_optimizer).restore_latest()

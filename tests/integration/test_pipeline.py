@@ -212,6 +212,40 @@ def test_across_processes_fp16_loss_scaling_is_refused():
     strategy.check_config(_config("pipeline", precision="mixed_bfloat16"))   # the control
 
 
+def test_across_processes_an_export_without_the_final_gather_is_refused(tmp_path):
+    """--export_dir needs the whole model on the chief: with
+    --nopipeline_gather it is one line before training (a cluster's worker,
+    checked as in `test_across_processes_fp16_loss_scaling_is_refused`)."""
+    from tfdist.strategies.pipeline import PipelineStrategy
+    strategy = PipelineStrategy.__new__(PipelineStrategy)
+    strategy.processes, strategy.pipeline_replicas = True, 1
+    config = _config("pipeline")
+    config = config.replace(train=config.train.replace(export_dir=str(tmp_path / "export")))
+    strategy.config = config.strategy.replace(pipeline_gather=False)
+    with pytest.raises(UsageError, match=r"--export_dir=.*: with --nopipeline_gather no process "
+                                         r"holds the whole trained model .*tfdist-export"):
+        strategy.check_config(config)
+    strategy.config = config.strategy   # the control: gathered at the end
+    strategy.check_config(config)
+
+
+def test_the_final_gather_is_skipped_where_the_weights_would_not_fit(monkeypatch):
+    """The chief gathers the other stages' weights at the end only where they,
+    plus one transfer's copy of the largest, fit under its memory limit."""
+    import tensorflow as tf
+    from tfdist.observe import hardware
+    from tfdist.strategies.pipeline import PipelineStrategy
+    strategy = PipelineStrategy.__new__(PipelineStrategy)
+    weights = [tf.Variable(tf.zeros([1024, 256])), tf.Variable(tf.zeros([256]))]
+    strategy._released = {id(weights[0])}   # 1 MiB held elsewhere; the bias here
+    monkeypatch.setattr(hardware, "resident_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(hardware, "memory_limit_bytes", lambda: 3 << 20)
+    assert strategy._gather_refusal([(v, v) for v in weights]) is None
+    monkeypatch.setattr(hardware, "memory_limit_bytes", lambda: (3 << 20) - (100 << 10))
+    assert strategy._gather_refusal([(v, v) for v in weights]) == (
+        "the other stages' weights need 2.0 MiB and its memory limit leaves 1.9 MiB")
+
+
 def test_zero_stage_under_the_pipeline_needs_replicas_across_processes():
     """ZeRO-1 splits a stage's slots over its pipeline replicas across
     processes: in one process, with one replica per stage, or at stage 2 or 3

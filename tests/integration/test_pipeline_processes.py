@@ -27,8 +27,9 @@ pytestmark = pytest.mark.integration
 # bf16. Each worker updates only its stage (its gradients summed with the same
 # stage's other replica, clipped by the whole model's norm summed over all
 # workers), holds only its stage's weights and optimizer slots, and the chief
-# gathers the rest from their owners when training ends: the chief's weights
-# and slots equal the same micro-batches accumulated on one device within tests/integration/test_pipeline.py's
+# gathers the other stages' weights (not their slots) from their owners when
+# training ends: the weights, and each slot where its worker holds it, equal
+# the same micro-batches accumulated on one device within tests/integration/test_pipeline.py's
 # tolerance, and the BatchNorm statistics every worker ends with are its stage
 # owner's (the owners contribute S x theirs to the sum over all N workers, the
 # others zeros, and the trainer divides by N).
@@ -51,28 +52,28 @@ PROCESS_RUNS = {
     "cnn, 4 stages, gpipe, bf16": {
         "strategy": {"pipeline_stages": 4, "pipeline_schedule": "gpipe"},
         "model": {"name": "cnn", "depth": 1}, "accum_steps": 2, "precision": "mixed_bfloat16"},
-    # Checkpoints across processes: each save gathers the stages onto the
-    # chief, which frees the others' again once it has written (step 2), and
-    # the run ends with the chief whole. The next run restores (every worker
-    # holds the whole model until the restored state is shared, then frees
-    # the other stages), trains on to step 6 — the same weights as 6 steps
-    # in one go on one device (the input positions are restored too) — and
-    # exports the chief's whole model.
+    # Checkpoints across processes, in parts: at each save every worker writes
+    # the variables and slots it holds (a stage's second replica nothing) and
+    # the chief merges the parts into one checkpoint; with --nopipeline_gather
+    # nothing gathers the model, not even at the end. The next run restores
+    # in place (each worker reads only what it holds), trains on to step 6 —
+    # the same weights as 6 steps in one go on one device (the input
+    # positions are restored too) — and exports the chief's whole model,
+    # gathered at the end.
     # Its model_fn fails where variables have no storage, so the model cannot
     # be built without it: every process builds it whole (the control of
     # `test_each_process_makes_storage_for_its_stage_only`); the next run
     # builds by stage and resumes from its checkpoint.
     "2 stages x 2 replicas, checkpoint every 2 steps": {
-        "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
-        "model_dir": "checkpointed", "whole_build": True},
+        "strategy": {"pipeline_stages": 2, "pipeline_gather": False}, "steps_per_loop": 2,
+        "checkpoint_every": 2, "model_dir": "checkpointed", "whole_build": True},
     "the same, resumed at step 4 to step 6, exported": {
         "strategy": {"pipeline_stages": 2}, "steps_per_loop": 2, "checkpoint_every": 2,
         "model_dir": "checkpointed", "train_steps": 6, "export_dir": "exported",
         "starts_as": "2 stages x 2 replicas, checkpoint every 2 steps"},
     # --on_nonfinite=rollback: step 7's loss is NaN (tests/integration/test_nonfinite.py's
-    # data); every worker restores the step-4 checkpoint (each holds the
-    # whole model while it restores), takes its stage from the chief, frees
-    # the rest and goes on past the batch, as one device does.
+    # data); every worker restores its part of the step-4 checkpoint in
+    # place and goes on past the batch, as one device does.
     # keras-hub's Gemma: its tied token embedding is on both stages (the
     # tokens' embedding on stage 0, the logits on stage 1); its gradients are
     # summed over all 4 workers, the others' over each stage's 2.
@@ -81,8 +82,8 @@ PROCESS_RUNS = {
         "strategy": {"pipeline_stages": 2}, "hub": "gemma", "accum_steps": 2,
         "steps_per_loop": 2, "optimizer": {"clip_grad_norm": 0.5}},
     # Under --zero_stage=1 too: each of a stage's 2 replicas holds the Adam
-    # slots of its half of the stage's variables; the restore gives each its
-    # slots (from the chief), and the chief gathers each slot from its owner.
+    # slots of its half of the stage's variables, writes them into the
+    # checkpoint and reads them back.
     "2 stages x 2 replicas, a NaN loss rolled back": {
         "strategy": {"pipeline_stages": 2, "zero_stage": 1}, "steps_per_loop": 4,
         "checkpoint_every": 4, "model_dir": "rolled_back", "train_steps": 12, "nan": True,
@@ -163,15 +164,17 @@ def test_each_process_makes_storage_for_its_stage_only(process_runs):
     """Storage made for trainable variables (counted by a variable creator
     under tfdist's, in each worker) is the worker's own stage's, in every
     process of every run: no process makes, or receives at build, another
-    stage's weights (the chief gathers them only to checkpoint and at the
-    end, where it holds the whole model, and builds a copy to export). Worker 0 (stage 0) made what
+    stage's weights (the chief gathers them at the end only, where it holds
+    the whole model, and builds a copy to export). Worker 0 (stage 0) made what
     worker S (stage 0 of replica 1) holds. The control: a model_fn that fails
     where variables have no storage makes every process build the model
     whole (as in one process), and the same check finds it made in each."""
     for name, (saved, initial, run, summary) in process_runs.items():
         made = [m["trainable_made"] for m in run["made"]]
         held = [m["trainable_held"] for m in run["made"]]
-        stages, whole = run["strategy"]["pipeline_stages"], held[0]
+        stages, whole = run["strategy"]["pipeline_stages"], run["made"][0]["trainable_total"]
+        # the chief holds the whole model at the end where it gathered it
+        assert (held[0] == whole) == run["strategy"].get("pipeline_gather", True), (name, held)
         if run.get("whole_build"):   # the control
             assert made == [whole] * 4 and max(held[1:]) < whole, (name, made, held)
             continue
@@ -191,23 +194,27 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
     workers, slots = saved[0::2], saved[1::2]
     stages = run["strategy"]["pipeline_stages"]
     # Each worker holds its stage only: the other stages' weights and slots
-    # are freed (empty), its own equal the chief's bit for bit (the workers of
-    # a stage apply the same summed gradients). The chief holds the whole
-    # model, gathered from the owners at the end: the control (the same
-    # check of "freed" on it finds nothing freed). The stages' sets are
-    # disjoint, the same for every replica of a stage, and cover the model.
-    chief = workers[0] + slots[0]
-    assert all(a.size for a in chief)
+    # are freed (empty), its own equal every other holder's bit for bit (the
+    # workers of a stage apply the same summed gradients). The chief holds
+    # every weight, gathered from the owners at the end (the control: the
+    # same check of "freed" on its weights finds nothing freed), unless
+    # --nopipeline_gather, and only its own stage's slots. The stages' sets
+    # are disjoint, the same for every replica of a stage, and cover the model.
+    gathered = run["strategy"].get("pipeline_gather", True)
+    assert all(a.size for a in workers[0]) == gathered
+    weights, whole_slots = _held_anywhere(workers), _held_anywhere(slots)
+    per_variable = any(a.ndim for a in whole_slots)   # not only the step and learning rate
+    assert all(a.size for a in slots[0]) != per_variable   # the slots are never gathered
+    whole = weights + whole_slots
     held = []
     for w in range(1, len(workers)):
         arrays = workers[w] + slots[w]
         mine = {k for k, a in enumerate(arrays) if a.size}
         assert 0 < len([k for k in mine if k < len(workers[w])]) < len(workers[w]), w
-        for k in mine:
-            np.testing.assert_array_equal(arrays[k], chief[k])
         for k in set(range(len(arrays))) - mine:
-            assert arrays[k].shape == (0,) and chief[k].size, (w, k)
+            assert arrays[k].shape == (0,), (w, k)
         held.append(mine)
+    chief = whole
     if run["strategy"].get("zero_stage"):
         held = _slots_split_between_replicas(held, len(workers[0]), len(chief), stages)
     by_stage = {w % stages: mine for w, mine in zip(range(1, len(workers)), held)}
@@ -238,14 +245,14 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
     # weights' tolerance; bf16 logits round to 3 significant digits).
     np.testing.assert_allclose(summary["test_loss"], single.summary["test_loss"], rtol=2e-3)
     assert abs(summary["accuracy"] - single.summary["accuracy"]) <= 1 / 96
-    assert max(np.abs(w - i).max() for w, i in zip(workers[0], initial)) > 1e-3
+    assert max(np.abs(w - i).max() for w, i in zip(weights, initial)) > 1e-3
     trainable = {id(v) for v in single.model.trainable_weights}
     flags = [id(v) in trainable for v in single.model.weights]
     assert not any(flags[k] for k in everywhere if k < len(flags))   # no weight held by all
     expected = single.model.get_weights()
-    assert_weights_close([w for w, t in zip(workers[0], flags) if t],
+    assert_weights_close([w for w, t in zip(weights, flags) if t],
                          [w for w, t in zip(expected, flags) if t], atol=1e-5)
-    for got, want, is_trainable in zip(workers[0], expected, flags):
+    for got, want, is_trainable in zip(weights, expected, flags):
         if not is_trainable:
             # BatchNorm statistics: the same updates as on one device (the
             # cnn's moving means start at 0: a share counted S times or not at
@@ -254,9 +261,9 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
     # The optimizer's state: every stage's slots as one device's (Adam's
     # second moments are squares of gradients: relative).
     expected_slots = [v.numpy() for v in single.optimizer.variables]
-    assert len(slots[0]) == len(expected_slots)
+    assert len(whole_slots) == len(expected_slots)
     assert len(expected_slots) > 2 or run["optimizer"].get("name") != "adam"
-    for got, want in zip(slots[0], expected_slots):
+    for got, want in zip(whole_slots, expected_slots):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     if "export_dir" in run:   # the chief's whole model
         import keras
@@ -265,10 +272,35 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
             np.testing.assert_array_equal(got, want)
 
 
+def test_checkpoints_are_merged_from_parts_and_nothing_gathers_the_model(process_runs):
+    """--nopipeline_gather: no process held the whole model at any time (the
+    chief ends with its stage's weights only; the control: the resumed run's
+    chief, which gathered at the end, holds them all), yet the last
+    checkpoint, merged from the workers' parts, holds every weight bit for bit
+    as the workers held it, and every slot whole; no part is left behind."""
+    import tensorflow as tf
+    saved, _, run, _ = process_runs["2 stages x 2 replicas, checkpoint every 2 steps"]
+    workers = saved[0::2]
+    assert not all(a.size for a in workers[0])
+    resumed = process_runs["the same, resumed at step 4 to step 6, exported"][0]
+    assert all(a.size for a in resumed[0])
+    directory = os.path.join(run["model_dir"], "checkpoints")
+    assert not [name for name in os.listdir(directory) if name.startswith(".parts")]
+    model = models.build(dataclasses.replace(mw_config("default").model, **run["model"]),
+                         IMAGE_SPEC)
+    path = os.path.join(directory, "ckpt-4")
+    tf.train.Checkpoint(model=model).read(path).expect_partial()
+    for got, want in zip(model.get_weights(), _held_anywhere(workers)):
+        np.testing.assert_array_equal(got, want)
+    reader = tf.train.load_checkpoint(path)
+    slots = [key for key in reader.get_variable_to_shape_map() if "_variables/" in key]
+    assert slots and all(reader.get_variable_to_shape_map()[key] for key in slots)
+
+
 def test_zero1_moves_the_slots_and_changes_no_bit_of_the_training(process_runs):
     """--zero_stage=1 (S=2 x R=2, Adam, clipping, accumulation, bf16) against
-    the same run without it: every worker's weights and the chief's slots
-    (gathered from their owners) bit for bit. Where the slots live: each
+    the same run without it: every worker's weights and every slot (from a
+    worker holding it) bit for bit. Where the slots live: each
     stage's split between its two replicas, disjoint and neither empty, where
     without ZeRO-1 both hold all of them (the control)."""
     zero, _, _, zero_summary = process_runs["2 stages x 2 replicas, zero1, adam, clip, bf16"]
@@ -277,8 +309,8 @@ def test_zero1_moves_the_slots_and_changes_no_bit_of_the_training(process_runs):
     for w in range(4):   # weights (another stage's: freed, empty)
         for got, want in zip(zero[2 * w], plain[2 * w]):
             np.testing.assert_array_equal(got, want)
-    for got, want in zip(zero[1], plain[1]):   # the chief's slots: all, gathered
-        np.testing.assert_array_equal(got, want)
+    for got, want in zip(_held_anywhere(zero[1::2]), _held_anywhere(plain[1::2])):
+        np.testing.assert_array_equal(got, want)   # every slot, from a worker holding it
 
     def slots(saved, w):
         return {k for k, a in enumerate(saved[2 * w + 1]) if a.size}
@@ -292,13 +324,27 @@ def test_zero1_moves_the_slots_and_changes_no_bit_of_the_training(process_runs):
     assert everywhere < slots(zero, 2) < slots(plain, 2)
 
 
+def _held_anywhere(arrays_of_workers) -> list:
+    """Each array from the workers holding it (not freed: non-empty); every
+    holder's copy is the same bit for bit, and every array is held somewhere."""
+    whole = []
+    for k, copies in enumerate(zip(*arrays_of_workers)):
+        held = [a for a in copies if a.size]
+        assert held, f"array {k} is held by no worker"
+        for a in held[1:]:
+            np.testing.assert_array_equal(a, held[0])
+        whole.append(held[0])
+    return whole
+
+
 def _slots_split_between_replicas(held, weights, total, stages):
     """Under --zero_stage=1, what workers 1..N-1 would hold without it
     (`held`: their sets of indices into the weights + slots, the first
     `weights` of them weights): each stage's weights are on all its replicas
     and its slots split between them, disjoint and none empty. A stage whose
     other replica is the chief (whole at the end) holds a strict part of the
-    stage's slots (those no other stage holds)."""
+    stage's slots (those no other stage holds); the chief's share is not
+    among `held`."""
     workers = list(range(1, len(held) + 1))
     held = dict(zip(workers, held))
     slots = {w: {k for k in held[w] if k >= weights} for w in workers}

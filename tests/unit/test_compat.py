@@ -375,6 +375,26 @@ def test_update_checkpoint_state(tmp_path):
     assert list(state.all_model_checkpoint_paths) == paths
 
 
+def test_checkpoint_object_graph(tmp_path):
+    """Node 0 is the root; each variable's attribute names the key it is saved under."""
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    path = tf.train.Checkpoint(layer=dense).write(str(tmp_path / "ckpt"))
+    reader = tf.train.load_checkpoint(path)
+    nodes = compat.checkpoint_object_graph(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    assert [name for _, name in nodes[0][0]] == ["layer"]
+    keys = {key for _, attributes in nodes for _, key in attributes}
+    assert keys == set(reader.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+def test_checkpoint_object_graph_check(monkeypatch):
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+    monkeypatch.delattr(trackable_object_graph_pb2, "TrackableObjectGraph")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.checkpoint_object_graph(b"")
+    assert_one_line_change(raised, "TrackableObjectGraph")
+
+
 def test_graph_function():
     @tf.function
     def inner(x):

@@ -288,6 +288,11 @@ class Strategy(abc.ABC):
     def release_state(self, state: TrainingState) -> None:
         """After a checkpoint is written: undo `gather_state`."""
 
+    def gather_model(self, state: TrainingState) -> None:
+        """At the end of training: the chief holds what `RunResult.model` and
+        the export need. Default: `gather_state`."""
+        self.gather_state(state)
+
     def hold_state(self, state: TrainingState) -> None:
         """Before a restore, which writes every variable: storage for all of
         `state` in this process, without a collective."""

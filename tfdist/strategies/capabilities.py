@@ -219,8 +219,9 @@ class PipelineStages(Capability):
     micro-batches in place of the trainer's accumulation loop. Where each
     process holds some stages only (`splits_update`), it also reduces and
     applies the update of its stages' variables only, holds only those (and
-    their slots), evaluates through the stages (`forward`) and gathers the
-    whole model on the chief for checkpoints and export (`gather_stages`)."""
+    their slots), evaluates through the stages (`forward`), writes and
+    reads checkpoints in parts (`checkpoint_parts`) and gathers the model's
+    weights on the chief for export (`gather_stages`)."""
 
     def build_model(self, build):
         """The model `build()` makes, in the engine's scope. Where each process

@@ -137,7 +137,7 @@ class Controller:
             self._time(run, examples, seconds)
             step = stop
             self._after_loop(run, step, totals, examples / seconds)
-        self.trainer.gather_state()   # the whole trained model on the chief
+        self.trainer.gather_model()   # the trained model on the chief
         return self._final_metrics(run, step)
 
     def _next_stop(self, step: int) -> int:

@@ -172,6 +172,10 @@ class Trainer(LocalSGDSteps):
         """After a checkpoint is written: undo `gather_state`."""
         self.strategy.release_state(self.training_state)
 
+    def gather_model(self) -> None:
+        """At the end of training: the trained model on the chief (`Strategy.gather_model`)."""
+        self.strategy.gather_model(self.training_state)
+
     def hold_state(self) -> None:
         """Before a restore (which writes every variable): storage for all of
         it in this process (no collective)."""

@@ -27,18 +27,18 @@ Where it runs:
   with the same stage of the other R - 1 pipeline replicas (a collective
   among those R workers; none for R = 1), the loss and metric counters and
   the clipping norm over all N, and applies the optimizer to its stage's
-  variables. It also holds only its stage: the model is built whole (the
-  split reads the built graph), then the storage of the other stages'
-  weights is freed once every worker has the chief's, and their optimizer
+  variables. It also holds only its stage: the model is built without the
+  storage of other stages' weights where it can be (else whole, then the
+  others freed once every worker has the chief's), and their optimizer
   slots are freed as they are made (`compat.set_storage`; the variable
   objects stay, so checkpoints keep their layout). Evaluation runs through
-  the stages like training (`forward`). A checkpoint or the end of training
-  gathers every stage onto the chief (`gather_stages`, from each stage's
-  replica 0, as FSDP's full state dict gathers on rank 0): the chief holds
-  the whole model while it saves and after training (for export), the
-  other workers never do. A restore writes every variable: each worker
-  holds the whole model until the restored state is shared, then frees the
-  others' stages again.
+  the stages like training (`forward`). Each checkpoint is written in parts
+  (`tfdist.checkpoint_parts`: each worker the variables it holds, merged by
+  the chief into one ordinary checkpoint) and each worker restores only what
+  it holds. At the end of training the chief gathers the other stages'
+  weights (`gather_stages`, from each stage's replica 0), for export and
+  `RunResult.model`, unless --nopipeline_gather or its memory limit says no;
+  the other workers never hold the whole model.
 
 The update equals gradient accumulation of the same micro-batches on one
 device: each micro-batch's loss is the trainer's (`MicroBatchLoss`), its

@@ -134,6 +134,11 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
             raise UsageError("--precision=mixed_float16: across processes each pipeline "
                              "worker applies its own stage's update, and fp16 loss scaling "
                              "would skip steps stage by stage; use mixed_bfloat16 or float32")
+        if self.processes and tc.export_dir and not self.config.pipeline_gather:
+            raise UsageError(f"--export_dir={tc.export_dir}: with --nopipeline_gather no "
+                             "process holds the whole trained model to export; export the "
+                             "last checkpoint with tfdist-export --model_dir=... on a machine "
+                             "with the memory, or drop --nopipeline_gather")
         if self.processes and tc.grad_agreement_every:
             raise UsageError(f"--grad_agreement_every={tc.grad_agreement_every}: across "
                              "processes a pipeline worker holds one stage's gradients, not a "

@@ -32,3 +32,10 @@ class PipelineOptions:
         help="pipeline: the layer names where stages 2..S begin (S-1 names, in model order; "
              "each must begin a block, where one tensor crosses); default: balanced by "
              "FLOPs.")
+    pipeline_gather: bool = option(
+        True, group=ENGINE,
+        help="pipeline across processes: at the end of training the chief gathers every "
+             "stage's weights (not their optimizer slots, which the last checkpoint holds) "
+             "for RunResult.model and --export_dir, unless they would not fit its memory "
+             "limit; --nopipeline_gather: nothing ever holds the whole model (export the "
+             "last checkpoint with tfdist-export on a machine with the memory).")

@@ -193,6 +193,37 @@ class StagesAcrossProcesses:
             self.gather_stages(state.owned())
             self._gathered_at = step
 
+    def gather_model(self, state) -> None:
+        """At the end of training the chief takes every stage's weights (not
+        their slots: the last checkpoint holds those) from their owners, for
+        `RunResult.model` and the export; not with --nopipeline_gather, nor
+        where they would not fit the chief's memory limit (it says so)."""
+        if not self.processes or not self.config.pipeline_gather:
+            return
+        weights = [(v, owner) for v, owner in state.owned() if v is owner]
+        refusal = self._gather_refusal(weights) if self.is_chief else None
+        if self.any_worker(refusal is not None):
+            if refusal:
+                logging.warning("the chief does not gather the trained model: %s. "
+                                "RunResult.model holds its stages only; export the last "
+                                "checkpoint with tfdist-export on a machine with the memory",
+                                refusal)
+            return
+        self.gather_stages(weights)
+
+    def _gather_refusal(self, weights):
+        """Why the chief cannot take the other stages' `weights`, or None:
+        they and one transfer's copy would not fit under its memory limit."""
+        from tfdist.observe import hardware
+        sizes = [math.prod(v.shape) * tf.as_dtype(v.dtype).size
+                 for v, _ in weights if id(v) in self._released]
+        need = sum(sizes) + max(sizes, default=0)
+        room = hardware.memory_limit_bytes() - hardware.resident_bytes()
+        if need <= room:
+            return None
+        return (f"the other stages' weights need {need / 2**20:.1f} MiB and its memory "
+                f"limit leaves {room / 2**20:.1f} MiB")
+
     def release_state(self, state) -> None:
         """After a checkpoint: the chief frees the other stages again."""
         if self.processes:
@@ -350,7 +381,9 @@ class StagesAcrossProcesses:
                 self._released.discard(id(variable))
 
     def holds_whole_model(self) -> bool:
-        return not self._released
+        """Whether every weight of the model has its storage here (its
+        optimizer slots may not: the end of training gathers weights only)."""
+        return not self._released & set(self._stages_of)
 
     def gather_stages(self, pairs) -> None:
         """Each stage's replica-0 worker (worker s, for stage s) sends every
@@ -361,7 +394,7 @@ class StagesAcrossProcesses:
             return
         self._traced("gather", pairs)()
         if self._worker_index == 0:
-            self._released.clear()
+            self._released -= {id(v) for v, _ in pairs}
 
     def scatter_stages(self, pairs) -> None:
         """The reverse of `gather_stages`: the chief (or, where each process
