@@ -1,7 +1,8 @@
-"""Does it fit: a model that cannot train in one process's memory trains across four.
+"""Does it fit: a model that cannot train in one process's memory trains across several.
 
     .venv/bin/python bench/fits.py [--width=4096] [--depth=18] [--cap=3328M]
-        [--meshes=batch:4,model:1;batch:2,model:2] [--steps=2] [--timeout=1200]
+        [--meshes=batch:4,model:1;batch:2,model:2] [--pipelines=2x1;2x2] [--steps=2]
+        [--timeout=1200] [--work_dir=DIR]
 
 The mlp WIDTH x DEPTH with Adam (float32: 16 bytes of parameters, gradients
 and optimizer state per parameter) is sized so that this state is at least
@@ -12,15 +13,28 @@ and optimizer state per parameter) is sized so that this state is at least
    step and snapshots that checkpoint, then trains to --steps;
 2. one process under `--worker_memory=CAP`, from the snapshot: it must be
    killed, with the launcher's one-line out-of-memory message;
-3. for each mesh, four processes, each under the same cap, `--zero_stage=3`,
-   from the snapshot to --steps.
+3. for each mesh, its processes, each under the same cap, `--zero_stage=3`,
+   from the snapshot to --steps;
+4. for each pipeline S x R (`--pipelines`, none by default), S x R processes,
+   each under the same cap, `--strategy=pipeline --pipeline_stages=S`
+   (`--zero_stage=1` where R > 1), from the snapshot to --steps. Each process
+   builds and holds its stage only, restores its part of the snapshot and
+   writes its part of the final checkpoint; the chief gathers the trained
+   model at the end only where it fits its cap (it does not here). Then
+   `tfdist-export` exports that checkpoint, uncapped: the consolidation a
+   machine with the memory runs.
+
+Suggested pipeline proof (the state 1.5x the cap; a stage process holds half
+the model's state, or under ZeRO-1 half its weights and a quarter of its
+slots): `--width=4096 --depth=36 --cap=6G --meshes= --pipelines="2x1;2x2"`.
 
 Printed per run: exit, each process's peak resident memory (the summary's
 `peak_rss_bytes`, getrusage), the loss, and for each four-process run the
 largest difference of its final weights from the reference's with the count
 outside 1e-5 (the tolerance rules of tests/integration/test_dtensor.py). Snapshots and
-checkpoints stay in --work_dir (a fresh temporary directory by default).
-Also printed into bench/results/fits.md. `tests/integration/test_zero.py` runs the same
+checkpoints stay in --work_dir (a fresh temporary directory by default; each
+run's copy of the snapshot is hard links). Also printed into
+bench/results/fits.md (bench/results/fits_pipeline.md with --meshes= and --pipelines). `tests/integration/test_zero.py` runs the same
 procedure at a scale the suite affords.
 """
 
@@ -50,17 +64,18 @@ def parse_size(text: str) -> int:
         raise SystemExit(str(error)) from None
 
 
-def launch(work, name, workers, cap, mesh, stage, width, depth, steps, timeout, snapshot=None):
+def launch(work, name, workers, cap, mesh, stage, width, depth, steps, timeout, snapshot=None,
+           strategy="dtensor"):
     """One `tfdist-launch` cluster of fits_worker.py: (exit status, the launcher's
     last line, the workers' summaries, seconds)."""
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     model_dir = os.path.join(out, "model")
-    if snapshot is None and name != "reference":
-        shutil.copytree(os.path.join(work, "snapshot"), model_dir)
+    if snapshot is None and name != "reference":   # links: a run only adds files
+        shutil.copytree(os.path.join(work, "snapshot"), model_dir, copy_function=os.link)
     cmd = [os.path.join(BIN, "tfdist-launch"), f"--workers={workers}"]
     cmd += [f"--worker_memory={cap}"] if cap else []
-    cmd += ["--", sys.executable, WORKER, out, model_dir, "dtensor", mesh, str(stage),
+    cmd += ["--", sys.executable, WORKER, out, model_dir, strategy, mesh, str(stage),
             str(width), str(depth), str(steps)]
     cmd += [snapshot] if snapshot else []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -109,7 +124,7 @@ def compare(got_dir, want_dir, start_dir):
     return largest, int(outside), int(total), moved
 
 
-def prove(work, width, depth, cap, meshes, steps, timeout, log=print):
+def prove(work, width, depth, cap, meshes, steps, timeout, log=print, pipelines=()):
     """The whole procedure; returns its results (see the module doc)."""
     results = {"width": width, "depth": depth, "cap": cap}
     rc, line, summaries, seconds = launch(work, "reference", 1, None, "batch:1,model:1", 0,
@@ -146,7 +161,45 @@ def prove(work, width, depth, cap, meshes, steps, timeout, log=print):
                f"{entry['largest']:.2e}, {entry['outside']} of {entry['elements']:,} outside "
                f"1e-5 (largest move from the snapshot {entry['moved']:.2e})" if rc == 0
                else f": {line}"))
+    for layout in pipelines:
+        results[f"pipeline {layout}"] = _pipeline(work, layout, width, depth, cap, steps,
+                                                  timeout, log)
     return results
+
+
+def _pipeline(work, layout, width, depth, cap, steps, timeout, log) -> dict:
+    """One pipeline S x R under the cap from the snapshot, then its final
+    checkpoint (written in parts) exported by tfdist-export, uncapped."""
+    stages, replicas = (int(n) for n in layout.split("x"))
+    name = f"pipeline_{layout}"
+    rc, line, summaries, seconds = launch(work, name, stages * replicas, cap, str(stages),
+                                          int(replicas > 1), width, depth, steps, timeout,
+                                          strategy="pipeline")
+    entry = dict(rc=rc, line=line, seconds=seconds,
+                 peaks=[s["peak_rss_bytes"] for s in summaries],
+                 loss=summaries[0]["loss"] if summaries else None)
+    zero = " --zero_stage=1" if replicas > 1 else ""
+    if rc != 0:
+        log(f"pipeline {layout}{zero}, each of {stages * replicas} processes under {cap}: exit "
+            f"{rc} after {seconds:.0f} s: {line}")
+        return entry
+    model_dir = os.path.join(work, name, "model")
+    entry["largest"], entry["outside"], entry["elements"], entry["moved"] = compare(
+        model_dir, os.path.join(work, "reference", "model"), os.path.join(work, "snapshot"))
+    start = time.monotonic()
+    export = subprocess.run([os.path.join(BIN, "tfdist-export"), f"--model_dir={model_dir}",
+                             f"--export_dir={os.path.join(work, name, 'export')}"],
+                            capture_output=True, text=True, timeout=timeout,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    entry["export"] = dict(rc=export.returncode, seconds=time.monotonic() - start,
+                           line=(export.stderr.strip().splitlines() or [""])[-1])
+    log(f"pipeline {layout}{zero}, each of {stages * replicas} processes under {cap}: exit 0 "
+        f"after {seconds:.0f} s, peaks {', '.join(f'{p / 2**30:.2f}' for p in entry['peaks'])} "
+        f"GiB, loss {entry['loss']:.6f}, weights vs reference: largest difference "
+        f"{entry['largest']:.2e}, {entry['outside']} of {entry['elements']:,} outside 1e-5 "
+        f"(largest move {entry['moved']:.2e}); tfdist-export of its checkpoint, uncapped: exit "
+        f"{export.returncode} after {entry['export']['seconds']:.0f} s")
+    return entry
 
 
 def main():
@@ -154,7 +207,10 @@ def main():
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=18)
     parser.add_argument("--cap", default="3328M")
-    parser.add_argument("--meshes", default="batch:4,model:1;batch:2,model:2")
+    parser.add_argument("--meshes", default="batch:4,model:1;batch:2,model:2",
+                        help="dtensor meshes, ';'-separated (empty: none)")
+    parser.add_argument("--pipelines", default="",
+                        help="pipeline layouts S x R, ';'-separated, e.g. 2x1;2x2 (default none)")
     parser.add_argument("--steps", type=int, default=2,
                         help="the last step (the four-process runs train from step 1)")
     parser.add_argument("--timeout", type=float, default=1200)
@@ -176,10 +232,11 @@ def main():
         print(line, flush=True)
         lines.append(line)
 
-    prove(work, args.width, args.depth, args.cap, args.meshes.split(";"), args.steps,
-          args.timeout, log)
+    prove(work, args.width, args.depth, args.cap, [m for m in args.meshes.split(";") if m],
+          args.steps, args.timeout, log, pipelines=[p for p in args.pipelines.split(";") if p])
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "fits.md"), "w") as f:
+    name = "fits_pipeline.md" if args.pipelines and not args.meshes else "fits.md"
+    with open(os.path.join(HERE, "results", name), "w") as f:
         f.write("\n\n".join(lines) + "\n")
 
 

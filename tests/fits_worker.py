@@ -1,9 +1,10 @@
-"""A process of the "does it fit" proof (tests/integration/test_zero.py, bench/dtensor.py --fits).
+"""A process of the "does it fit" proof (tests/integration/test_zero.py, bench/fits.py).
 
     python tests/fits_worker.py OUT_DIR MODEL_DIR STRATEGY MESH STAGE WIDTH DEPTH STEPS [SNAPSHOT]
 
 Trains the mlp WIDTH x DEPTH (Adam, global batch 16, the test images) under
---strategy=STRATEGY (MESH and --zero_stage=STAGE for dtensor) up to step STEPS,
+--strategy=STRATEGY (dtensor: --mesh=MESH; pipeline: MESH is the number of
+stages; --zero_stage=STAGE) up to step STEPS,
 resuming from MODEL_DIR's checkpoint when it has one (so several runs start
 from the same checkpoint, optimizer state included). With
 SNAPSHOT, it first trains 1 step, copies MODEL_DIR (that step's checkpoint) to
@@ -27,9 +28,10 @@ def main(out_dir, model_dir, strategy, mesh, stage, width, depth, steps, snapsho
     from tfdist.mesh_model import MeshModel
 
     def train(steps):
+        layout = {"pipeline_stages": int(mesh)} if strategy == "pipeline" else {"mesh": mesh}
         config = tfdist.RunConfig(
-            strategy=tfdist.StrategyConfig(name=strategy, mesh=mesh, zero_stage=int(stage),
-                                           collective_timeout_s=300),
+            strategy=tfdist.StrategyConfig(name=strategy, zero_stage=int(stage),
+                                           collective_timeout_s=300, **layout),
             model=tfdist.ModelConfig(name="mlp", width=int(width), depth=int(depth)),
             data=tfdist.DataConfig(shuffle_buffer=1),
             optimizer=tfdist.OptimizerConfig(name="adam", learning_rate=1e-3),

@@ -16,10 +16,11 @@ and each process reads only the variables it keeps (`tf.raw_ops.RestoreV2`,
 at most `READ_BYTES` at a time): a checkpoint written under another split,
 another number of processes or another engine restores in place.
 
-The keys come from the object graph TensorFlow writes into a checkpoint,
-matched to the run's objects by local name from the root (as TensorFlow's own
-restore matches them): `compat.checkpoint_object_graph` and the public
-`tf.train.TrackableView`. A model whose checkpoint holds anything but
+The keys come from the object graph TensorFlow writes into a checkpoint (the
+one a whole write would write, `compat.serialized_object_graph`; on restore,
+the checkpoint's own), matched to the run's objects by local name from the
+root, as TensorFlow's own restore matches them (`compat.checkpoint_object_graph`
+and the public `tf.train.TrackableView`). A model whose checkpoint holds anything but
 variables (a lookup table, a dataset iterator) is saved the usual way
 (`CheckpointParts.prepare` says so).
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 from typing import Callable, Optional
 
 import tensorflow as tf
@@ -104,16 +104,11 @@ class CheckpointParts:
         return {id(v): (v, owner) for v, owner in self._pairs()}
 
     def prepare(self) -> bool:
-        """Learn the keys from a write of this process's checkpoint (its own
-        variables, the others' empty) to a scratch directory; plan who
+        """Learn the keys from the object graph a whole write would write
+        (`compat.serialized_object_graph`: nothing is written); plan who
         writes what. False (saved the usual way) where the checkpoint holds
         anything but variables."""
-        scratch = tempfile.mkdtemp(prefix="tfdist-checkpoint-graph-")
-        try:
-            written = self._checkpoint.write(os.path.join(scratch, "graph"))
-            graph = tf.train.load_checkpoint(written).get_tensor(OBJECT_GRAPH)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        graph = compat.serialized_object_graph(self._checkpoint)
         try:
             by_key = self.variables_by_key(graph)
         except NotVariables as error:

@@ -387,6 +387,24 @@ def test_checkpoint_object_graph(tmp_path):
     assert keys == set(reader.get_variable_to_shape_map()) - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
 
 
+def test_serialized_object_graph_is_the_one_a_write_writes(tmp_path):
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    checkpoint = tf.train.Checkpoint(layer=dense, step=tf.Variable(1))
+    path = checkpoint.write(str(tmp_path / "ckpt"))
+    written = tf.train.load_checkpoint(path).get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH")
+    assert compat.serialized_object_graph(checkpoint) == written
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.data-00000-of-00001", "ckpt.index"]
+
+
+def test_serialized_object_graph_check(monkeypatch):
+    from tensorflow.python.checkpoint import save_util
+    monkeypatch.delattr(save_util, "serialize_graph_view")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.serialized_object_graph(tf.train.Checkpoint())
+    assert_one_line_change(raised, "serialize_graph_view")
+
+
 def test_checkpoint_object_graph_check(monkeypatch):
     from tensorflow.core.protobuf import trackable_object_graph_pb2
     monkeypatch.delattr(trackable_object_graph_pb2, "TrackableObjectGraph")

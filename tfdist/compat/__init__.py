@@ -77,6 +77,7 @@ from tfdist.compat.keras_optimizers import (
 )
 from tfdist.compat.tf_internals import (
     checkpoint_object_graph,
+    serialized_object_graph,
     COLLECTIVE_KEY_STRIDE,
     coordination_key_value,
     custom_gradients_on_tape,
@@ -107,6 +108,6 @@ __all__ = [
     "keras_random_draws", "keras_seed_tensor", "keras_variable_of", "model_layers",
     "move_variable", "next_collective_key_base", "optimizer_slots",
     "optimizer_updates_sharded_variables", "replay_functional", "set_storage",
-    "sharded_variable_type", "standardize_inputs", "strategy_supports_no_merge_call",
+    "serialized_object_graph", "sharded_variable_type", "standardize_inputs", "strategy_supports_no_merge_call",
     "update_checkpoint_state", "variable_index",
 ]

@@ -139,6 +139,32 @@ def update_checkpoint_state(directory: str, path: str, *, all_paths) -> None:
            save_relative_paths=True)
 
 
+def serialized_object_graph(checkpoint) -> bytes:
+    """The object graph `checkpoint.write()` would write now (its
+    `_CHECKPOINTABLE_OBJECT_GRAPH` entry), without writing anything.
+
+    What: `tensorflow.python.checkpoint.save_util.serialize_graph_view` over
+    `graph_view.ObjectGraphView(checkpoint)`, as `tf.train.Checkpoint`'s own
+    saver calls it. Why: a checkpoint written in parts (`tfdist/
+    checkpoint_parts.py`) needs each variable's key before anything is
+    written; the public way, a scratch `write()`, would write each process's
+    stage to disk (to RAM where /tmp is memory) at every start. The values
+    it serializes are read, not copied. Verified: tensorflow 2.21.0. Check:
+    both names import and the last of what it returns serializes.
+    """
+    what = "tensorflow.python.checkpoint.save_util.serialize_graph_view"
+    try:
+        from tensorflow.python.checkpoint import graph_view, save_util
+    except ImportError:
+        raise _changed(what) from None
+    serialize = _require(save_util, "serialize_graph_view", what)
+    view = _require(graph_view, "ObjectGraphView", what)(checkpoint)
+    proto = serialize(view)[-1]
+    if not hasattr(proto, "SerializeToString"):
+        raise _changed(what, f"returned {type(proto).__name__} last, not the object graph")
+    return proto.SerializeToString()
+
+
 def checkpoint_object_graph(serialized: bytes) -> list:
     """The nodes of a checkpoint's object graph (its `_CHECKPOINTABLE_OBJECT_GRAPH`
     entry), in order: ([(child node id, local name)], [(attribute name,
