@@ -95,7 +95,8 @@ class Worker:
                      "--accum_steps (smaller micro-batches), --recompute, "
                      "--precision=mixed_bfloat16, a smaller --global_batch_size, or "
                      "--strategy=dtensor --zero_stage=3 over more processes (each holds "
-                     "1/N of the model)"
+                     "1/N of the model), or --strategy=pipeline over more processes (each "
+                     "holds its stages)"
                      + ("; or give it more: a larger --worker_memory" if self.cap else ""))
         return text
 
