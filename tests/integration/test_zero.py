@@ -61,7 +61,8 @@ MESH = "batch:2,model:1"
 @pytest.mark.integration
 def test_two_capped_processes_train_what_one_capped_process_cannot(tmp_path):
     results = fits.prove(str(tmp_path), WIDTH, DEPTH, CAP, [MESH], steps=2,
-                         timeout=400, log=lambda line: None, pipelines=["2x1"])
+                         timeout=400, log=lambda line: None, pipelines=["2x1"],
+                         export=False)
     cap = fits.parse_size(CAP)
     # The control: one process under the cap is stopped, with one line naming
     # the worker and the cap.
@@ -80,13 +81,13 @@ def test_two_capped_processes_train_what_one_capped_process_cannot(tmp_path):
     # The same from the same snapshot as a pipeline of two stage processes,
     # each under the cap: each builds and holds its stage, restores its part
     # of the snapshot and writes its part of the last checkpoint (the chief
-    # merges them), which tfdist-export then exports uncapped.
+    # merges them: an ordinary checkpoint, which tfdist-export exports as
+    # tests/integration/test_export.py's; bench/fits.py exports it too).
     staged = results["pipeline 2x1"]
     assert staged["rc"] == 0, staged["line"]
     assert len(staged["peaks"]) == 2 and max(staged["peaks"]) < cap, staged["peaks"]
     assert staged["largest"] <= ADAM_BOUND
     assert staged["outside"] <= max(2, staged["elements"] // 1000), staged
-    assert staged["export"]["rc"] == 0, staged["export"]["line"]
 
 
 @pytest.fixture(scope="module")
