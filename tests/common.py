@@ -64,8 +64,12 @@ def assert_weights_close(a, b, rtol=1e-5, atol=1e-7):
 
 
 def mw_config(strategy, steps=10, **train):
-    """The run tests/mw_worker.py makes (no shuffling: batches in file order)."""
-    train = {"global_batch_size": 32, "train_steps": steps, "steps_per_loop": 5, **train}
+    """The run tests/mw_worker.py makes (no shuffling: batches in file order).
+    XLA is off unless a run asks for it (`jit_compile="auto"`), as in
+    `run_config`: its compile costs seconds of CPU in every process of every
+    run, and a cluster's XLA step is covered by the runs that ask for it."""
+    train = {"global_batch_size": 32, "train_steps": steps, "steps_per_loop": 5,
+             "jit_compile": "off", **train}
     return tfdist.RunConfig(
         strategy=tfdist.StrategyConfig(name=strategy, collective_timeout_s=60),
         model=tfdist.ModelConfig(name="mlp", width=16, depth=1),

@@ -208,13 +208,13 @@ def first_run(tmp_path_factory, mw_initial, early_runs):
     from test_tasks import CASES, TASK_TRAIN
     tmp_path = tmp_path_factory.mktemp("hvd_first")
     jobs = {
-        "plain": (mw_initial, 10, {}),
+        "plain": (mw_initial, 10, {"jit_compile": "auto"}),
         # XLA (--jit_compile=auto) in "plain" and "every_feature"; the
         # reduction variants without its compiles (seconds of CPU a rank).
         "bucketed": (mw_initial, 10, {"reduce_bucket_mb": 0.001, "jit_compile": "off"}),
         "accumulating": (mw_initial, 10, {"accum_steps": 4, "jit_compile": "off"}),
         "every_feature": (mw_initial, 10, {"accum_steps": 2, "grad_compression": "fp16",
-                                           "precision": "mixed_bfloat16"}),
+                                           "precision": "mixed_bfloat16", "jit_compile": "auto"}),
         **{f"task_{case}": (CASES[case][0](None).get_weights(), 10,
                             {"task": case, **TASK_TRAIN})
            for case in TASK_CASES},

@@ -67,7 +67,9 @@ def assert_match_single_device(workers, initial, steps=10, single=None):
 SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4,
                 jit_compile="off")
 CLUSTER_RUNS = {
-    "plain": {},
+    # XLA as --jit_compile=auto picks (its default) in "plain" and
+    # "every_feature"; the other runs without its compiles (seconds of CPU a run).
+    "plain": {"jit_compile": "auto"},
     # 4 micro-batches per update on each of 2 workers == one step on the global batch.
     "accumulating": {"accum_steps": 4},
     # --reduce_bucket_mb: one collective per ~1 kB bucket, issued as the
@@ -75,7 +77,7 @@ CLUSTER_RUNS = {
     "bucketed": {"reduce_bucket_mb": 0.001},
     "batch_norm": {"model": {"name": "cnn", "width": 4, "depth": 1}},
     "every_feature": {"accum_steps": 2, "grad_compression": "bf16",
-                      "precision": "mixed_float16"},
+                      "precision": "mixed_float16", "jit_compile": "auto"},
     # Compression and local SGD across processes (all-gather, per-worker state):
     # every entry sent, or weights averaged after every SGD step, is plain
     # synchronous training; rank-2 PowerSGD and 5 local steps are not.
