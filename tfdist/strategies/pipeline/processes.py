@@ -218,7 +218,7 @@ class StagesAcrossProcesses:
         sizes = [math.prod(v.shape) * tf.as_dtype(v.dtype).size
                  for v, _ in weights if id(v) in self._released]
         need = sum(sizes) + max(sizes, default=0)
-        room = hardware.memory_limit_bytes() - hardware.resident_bytes()
+        room = max(0, hardware.memory_limit_bytes() - hardware.resident_bytes())
         if need <= room:
             return None
         return (f"the other stages' weights need {need / 2**20:.1f} MiB and its memory "
