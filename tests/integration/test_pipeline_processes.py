@@ -214,9 +214,8 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
         for k in set(range(len(arrays))) - mine:
             assert arrays[k].shape == (0,), (w, k)
         held.append(mine)
-    chief = whole
     if run["strategy"].get("zero_stage"):
-        held = _slots_split_between_replicas(held, len(workers[0]), len(chief), stages)
+        held = _slots_split_between_replicas(held, len(workers[0]), len(whole), stages)
     by_stage = {w % stages: mine for w, mine in zip(range(1, len(workers)), held)}
     for w, mine in zip(range(1, len(workers)), held):
         assert mine == by_stage[w % stages]
@@ -224,7 +223,7 @@ def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name
     others = [by_stage[s] - everywhere for s in range(1, stages)]
     assert all(a.isdisjoint(b) for i, a in enumerate(others) for b in others[i + 1:])
     if 0 in by_stage:   # stage 0 of replica 1: what the other stages do not hold
-        assert by_stage[0] - everywhere == set(range(len(chief))) - everywhere - set().union(
+        assert by_stage[0] - everywhere == set(range(len(whole))) - everywhere - set().union(
             *others)
     # Without XLA, as the pipeline runs (`auto` would compile the reference,
     # and XLA on CPU computes bf16 matmuls in float32).
@@ -342,7 +341,7 @@ def _slots_split_between_replicas(held, weights, total, stages):
     (`held`: their sets of indices into the weights + slots, the first
     `weights` of them weights): each stage's weights are on all its replicas
     and its slots split between them, disjoint and none empty. A stage whose
-    other replica is the chief (whole at the end) holds a strict part of the
+    other replica is the chief (its weights whole at the end) holds a strict part of the
     stage's slots (those no other stage holds); the chief's share is not
     among `held`."""
     workers = list(range(1, len(held) + 1))
