@@ -291,13 +291,17 @@ class _OneWorker:
         return "worker 0/1 chief"
 
 
-def _parts_checkpointer(directory, model, optimizer, keeps=lambda variable, owner: True):
+def _parts(checkpointer, model, keeps=lambda variable, owner: True):
     from tfdist.checkpoint_parts import CheckpointParts
+    pairs = [(v, v) for v in model.trainable_variables]
+    return CheckpointParts(_OneWorker, checkpointer.checkpoint, pairs=lambda: pairs,
+                           writer=lambda variable, owner: 0, keeps=keeps)
+
+
+def _parts_checkpointer(directory, model, optimizer, keeps=lambda variable, owner: True):
     checkpointer = checkpointing.Checkpointer(str(directory), keep=2, is_chief=True,
                                               model=model, optimizer=optimizer)
-    pairs = [(v, v) for v in model.trainable_variables]
-    parts = CheckpointParts(_OneWorker, checkpointer.checkpoint, pairs=lambda: pairs,
-                            writer=lambda variable, owner: 0, keeps=keeps)
+    parts = _parts(checkpointer, model, keeps)
     assert parts.prepare()
     checkpointer.parts = parts
     return checkpointer
@@ -361,3 +365,17 @@ def test_a_part_that_cannot_be_written_fails_the_save_and_keeps_the_previous(tmp
     wider_optimizer.build(wider.trainable_variables)
     with pytest.raises(tfdist.errors.UsageError, match="none of its 1 checkpoint"):
         _parts_checkpointer(tmp_path, wider, wider_optimizer).restore_latest()
+
+
+def test_a_checkpoint_holding_more_than_variables_is_not_written_in_parts(tmp_path):
+    """A lookup table saves its keys and values, not a variable's value: the
+    checkpoint is then written whole (`prepare` says no), as before."""
+    model, optimizer = _model_and_adam()
+    table = tf.lookup.experimental.MutableHashTable(tf.string, tf.int64, default_value=-1)
+    checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=2, is_chief=True,
+                                              model=model, optimizer=optimizer, table=table)
+    assert not _parts(checkpointer, model).prepare()
+    plain = checkpointing.Checkpointer(str(tmp_path), keep=2, is_chief=True,
+                                       model=model, optimizer=optimizer)
+    assert _parts(plain, model).prepare()   # the control: without the table
+
