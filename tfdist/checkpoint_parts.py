@@ -41,6 +41,7 @@ from absl import logging
 
 from tfdist import compat
 from tfdist.errors import first_line
+from tfdist.strategies.base import runs_within
 
 OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 READ_BYTES = 64 << 20   # restored per RestoreV2: a transient copy of at most this much
@@ -183,7 +184,8 @@ class CheckpointParts:
             if tuple(shapes[key]) != tuple(variable.shape):
                 raise ValueError(f"its {key} has shape {tuple(shapes[key])}, the model's "
                                  f"{variable.path} {tuple(variable.shape)}")
-        for chunk in _chunks(wanted, shapes, dtypes):
+        for chunk in runs_within(wanted, [math.prod(shapes[key]) * dtypes[key].size
+                                          for key, _ in wanted], READ_BYTES):
             values = tf.raw_ops.RestoreV2(prefix=path, tensor_names=[key for key, _ in chunk],
                                           shape_and_slices=[""] * len(chunk),
                                           dtypes=[dtypes[key] for key, _ in chunk])
@@ -200,17 +202,3 @@ class CheckpointParts:
 
 def _part(parts: str, worker: int) -> str:
     return os.path.join(parts, f"worker-{worker}")
-
-
-def _chunks(pairs: list, shapes: dict, dtypes: dict):
-    """`pairs` in runs of at most READ_BYTES (a larger variable alone)."""
-    chunk, size = [], 0
-    for key, variable in pairs:
-        nbytes = math.prod(shapes[key]) * dtypes[key].size
-        if chunk and size + nbytes > READ_BYTES:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((key, variable))
-        size += nbytes
-    if chunk:
-        yield chunk

@@ -38,6 +38,20 @@ def by_dtype(tensors: Sequence, reduce: Callable) -> list:
     return reduced
 
 
+def runs_within(items: Sequence, sizes: Sequence[int], limit: int) -> list:
+    """`items` in order, cut into consecutive runs of at most `limit` in
+    total of `sizes` (an item larger than `limit` alone): how a large state
+    moves or is summed a bounded piece at a time."""
+    runs, run, total = [], [], 0
+    for item, size in zip(items, sizes):
+        if run and total + size > limit:
+            runs.append(run)
+            run, total = [], 0
+        run.append(item)
+        total += size
+    return runs + [run] if run else runs
+
+
 def tf_variable(variable):
     """The `tf.Variable` behind `variable` (a Keras variable holds one)."""
     import keras

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
-from tfdist.strategies.base import by_dtype
+from tfdist.strategies.base import by_dtype, runs_within
 
 if TYPE_CHECKING:
     from tfdist.strategies.pipeline.engine import PipelineStrategy
@@ -125,7 +125,10 @@ class StageGroup:
 
         def summed(same):
             out = []
-            for bucket in _buckets(same, self.BUCKET_BYTES, self.MAX_BUCKETS):
+            sizes = [t.shape.num_elements() * t.dtype.size for t in same]
+            # at most 2 x MAX_BUCKETS + 1 runs: any two neighbours exceed the limit
+            limit = max(self.BUCKET_BYTES, -(-sum(sizes) // self.MAX_BUCKETS))
+            for bucket in runs_within(same, sizes, limit):
                 with tf.control_dependencies(out[-1:]):
                     out += self._sum(bucket, next(instances))
             return out
@@ -161,20 +164,3 @@ class SharedGroup(StageGroup):
         self.size = len(stages) * strategy.pipeline_replicas
         self.key = self.GROUP_BASE + sorted(set(strategy.shared_variables().values())).index(
             stages)
-
-
-def _buckets(tensors, limit: int, most: int):
-    """`tensors` in order, in runs of at most max(`limit`, total / `most`)
-    bytes (a larger tensor alone): at most 2 x `most` + 1 runs (any two
-    neighbouring runs hold more than the limit)."""
-    sizes = [t.shape.num_elements() * t.dtype.size for t in tensors]
-    limit = max(limit, -(-sum(sizes) // most))
-    run, size = [], 0
-    for tensor, nbytes in zip(tensors, sizes):
-        if run and size + nbytes > limit:
-            yield run
-            run, size = [], 0
-        run.append(tensor)
-        size += nbytes
-    if run:
-        yield run
