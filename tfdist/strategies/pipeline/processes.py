@@ -200,6 +200,8 @@ class StagesAcrossProcesses:
         where they would not fit the chief's memory limit (it says so)."""
         if not self.processes or not self.config.pipeline_gather:
             return
+        if self._gathered_at is not None:   # the last checkpoint's gather left it all here
+            return
         weights = [(v, owner) for v, owner in state.owned() if v is owner]
         refusal = self._gather_refusal(weights) if self.is_chief else None
         if self.any_worker(refusal is not None):
