@@ -142,68 +142,60 @@ def prove(work, width, depth, cap, meshes, steps, timeout, log=print, pipelines=
     results["single_capped"] = dict(rc=rc, line=line, seconds=seconds)
     log(f"1 process under {cap}: exit {rc} after {seconds:.0f} s: {line}")
     for mesh in meshes:
-        name = "stage3_" + mesh.replace(":", "").replace(",", "_")
         processes = 1
         for axis in mesh.split(","):
             processes *= int(axis.split(":")[1])
-        rc, line, summaries, seconds = launch(work, name, processes, cap, mesh, 3, width, depth,
-                                              steps, timeout)
-        entry = dict(rc=rc, line=line, seconds=seconds,
-                     peaks=[s["peak_rss_bytes"] for s in summaries],
-                     loss=summaries[0]["loss"] if summaries else None)
-        if rc == 0:
-            entry["largest"], entry["outside"], entry["elements"], entry["moved"] = compare(
-                os.path.join(work, name, "model"), os.path.join(work, "reference", "model"),
-                os.path.join(work, "snapshot"))
-        results[mesh] = entry
-        log(f"{processes} processes, stage 3, {mesh}, each under {cap}: exit {rc} after "
-            f"{seconds:.0f} s"
-            + (f", peaks {', '.join(f'{p / 2**30:.2f}' for p in entry['peaks'])} GiB, loss "
-               f"{entry['loss']:.6f}, weights vs reference: largest difference "
-               f"{entry['largest']:.2e}, {entry['outside']} of {entry['elements']:,} outside "
-               f"1e-5 (largest move from the snapshot {entry['moved']:.2e})" if rc == 0
-               else f": {line}"))
+        results[mesh] = _capped(work, "stage3_" + mesh.replace(":", "").replace(",", "_"),
+                                f"{processes} processes, stage 3, {mesh}", processes, cap,
+                                mesh, 3, width, depth, steps, timeout, log)
     for layout in pipelines:
         results[f"pipeline {layout}"] = _pipeline(work, layout, width, depth, cap, steps,
                                                   timeout, log, export)
     return results
 
 
-def _pipeline(work, layout, width, depth, cap, steps, timeout, log, export=True) -> dict:
-    """One pipeline S x R under the cap from the snapshot, then its final
-    checkpoint (written in parts) exported by tfdist-export, uncapped."""
-    stages, replicas = (int(n) for n in layout.split("x"))
-    name = f"pipeline_{layout}"
-    rc, line, summaries, seconds = launch(work, name, stages * replicas, cap, str(stages),
-                                          int(replicas > 1), width, depth, steps, timeout,
-                                          strategy="pipeline")
+def _capped(work, name, title, processes, cap, mesh, stage, width, depth, steps, timeout, log,
+            strategy="dtensor") -> dict:
+    """One run of `processes` under the cap from the snapshot, compared with
+    the reference's weights; logged as `title`."""
+    rc, line, summaries, seconds = launch(work, name, processes, cap, mesh, stage, width, depth,
+                                          steps, timeout, strategy=strategy)
     entry = dict(rc=rc, line=line, seconds=seconds,
                  peaks=[s["peak_rss_bytes"] for s in summaries],
                  loss=summaries[0]["loss"] if summaries else None)
-    zero = " --zero_stage=1" if replicas > 1 else ""
-    if rc != 0:
-        log(f"pipeline {layout}{zero}, each of {stages * replicas} processes under {cap}: exit "
-            f"{rc} after {seconds:.0f} s: {line}")
-        return entry
-    model_dir = os.path.join(work, name, "model")
-    entry["largest"], entry["outside"], entry["elements"], entry["moved"] = compare(
-        model_dir, os.path.join(work, "reference", "model"), os.path.join(work, "snapshot"))
-    if not export:
-        log(f"pipeline {layout}{zero}: exit 0 after {seconds:.0f} s")
+    if rc == 0:
+        entry["largest"], entry["outside"], entry["elements"], entry["moved"] = compare(
+            os.path.join(work, name, "model"), os.path.join(work, "reference", "model"),
+            os.path.join(work, "snapshot"))
+    log(f"{title}, each under {cap}: exit {rc} after {seconds:.0f} s"
+        + (f", peaks {', '.join(f'{p / 2**30:.2f}' for p in entry['peaks'])} GiB, loss "
+           f"{entry['loss']:.6f}, weights vs reference: largest difference "
+           f"{entry['largest']:.2e}, {entry['outside']} of {entry['elements']:,} outside "
+           f"1e-5 (largest move from the snapshot {entry['moved']:.2e})" if rc == 0
+           else f": {line}"))
+    return entry
+
+
+def _pipeline(work, layout, width, depth, cap, steps, timeout, log, export=True) -> dict:
+    """One pipeline S x R under the cap from the snapshot (`_capped`), then
+    its final checkpoint (written in parts) exported by tfdist-export, uncapped."""
+    stages, replicas = (int(n) for n in layout.split("x"))
+    name, zero = f"pipeline_{layout}", " --zero_stage=1" if replicas > 1 else ""
+    entry = _capped(work, name, f"pipeline {layout}{zero}, {stages * replicas} processes",
+                    stages * replicas, cap, str(stages), int(replicas > 1), width, depth,
+                    steps, timeout, log, strategy="pipeline")
+    if entry["rc"] != 0 or not export:
         return entry
     start = time.monotonic()
-    export = subprocess.run([os.path.join(BIN, "tfdist-export"), f"--model_dir={model_dir}",
-                             f"--export_dir={os.path.join(work, name, 'export')}"],
-                            capture_output=True, text=True, timeout=timeout,
-                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    entry["export"] = dict(rc=export.returncode, seconds=time.monotonic() - start,
-                           line=(export.stderr.strip().splitlines() or [""])[-1])
-    log(f"pipeline {layout}{zero}, each of {stages * replicas} processes under {cap}: exit 0 "
-        f"after {seconds:.0f} s, peaks {', '.join(f'{p / 2**30:.2f}' for p in entry['peaks'])} "
-        f"GiB, loss {entry['loss']:.6f}, weights vs reference: largest difference "
-        f"{entry['largest']:.2e}, {entry['outside']} of {entry['elements']:,} outside 1e-5 "
-        f"(largest move {entry['moved']:.2e}); tfdist-export of its checkpoint, uncapped: exit "
-        f"{export.returncode} after {entry['export']['seconds']:.0f} s")
+    exported = subprocess.run([os.path.join(BIN, "tfdist-export"),
+                               f"--model_dir={os.path.join(work, name, 'model')}",
+                               f"--export_dir={os.path.join(work, name, 'export')}"],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    entry["export"] = dict(rc=exported.returncode, seconds=time.monotonic() - start,
+                           line=(exported.stderr.strip().splitlines() or [""])[-1])
+    log(f"pipeline {layout}: tfdist-export of its checkpoint, uncapped: exit "
+        f"{exported.returncode} after {entry['export']['seconds']:.0f} s")
     return entry
 
 
