@@ -35,7 +35,7 @@ from common import (HUB_TOKENS, IMAGE_SPEC, TOKEN_SPEC, assert_weights_close, hu
 
 def _config(strategy, *, model="mlp", depth=3, devices=2, stages=2, sched="1f1b",
             precision="float32", clip=None, recompute=False, steps=3, model_dir=None,
-            split=(), microbatches=4, batch=32):
+            split=(), microbatches=4, batch=32, chunks=1):
     config = run_config(strategy, optimizer="adam", learning_rate=0.01, steps=steps, batch=batch,
                         model=model, depth=depth, width=16, accum_steps=microbatches,
                         precision=precision, model_dir=model_dir,
@@ -44,7 +44,8 @@ def _config(strategy, *, model="mlp", depth=3, devices=2, stages=2, sched="1f1b"
         model=config.model.replace(recompute=recompute, num_heads=2),
         optimizer=config.optimizer.replace(clip_grad_norm=clip),
         strategy=config.strategy.replace(virtual_devices=devices, pipeline_stages=stages,
-                                         pipeline_schedule=sched, pipeline_split=split))
+                                         pipeline_schedule=sched, pipeline_split=split,
+                                         pipeline_chunks=chunks))
 
 
 def _train(config):
@@ -57,7 +58,9 @@ def _train(config):
 # runs against one accumulation run of the same settings on one device.
 CASES = {
     # (S=2 on its own: the checkpoint test here, and the process test's)
-    "mlp": ("mlp", {}, [(4, 4, "gpipe"), (4, 2, "1f1b")]),
+    # Interleaved: 2 devices x 2 chunks (stages 0 and 2 on the first device, 1
+    # and 3 on the second) and 2 pipeline replicas.
+    "mlp": ("mlp", {}, [(4, 4, "gpipe"), (4, 2, "1f1b", False, 2)]),
     # bf16 with R=1: the same micro-batches as one device, so the same bf16
     # roundings (R=2 replicas' micro-batches are other rows, which in bf16
     # differ by ~1e-2). bf16 here on the mlp, not the transformer: emulated
@@ -79,12 +82,21 @@ def test_an_update_equals_accumulating_the_micro_batches_on_one_device(case):
     depth = settings.get("depth", 4)
     extra = {k: v for k, v in settings.items() if k != "depth"}
     reference = _train(_config("default", model=model, depth=depth, **extra))
-    for devices, stages, sched, *recompute in runs:
-        recompute = bool(recompute and recompute[0])
+    for devices, stages, sched, *more in runs:
+        recompute, chunks = (*more, *(False, 1)[len(more):])
         result = _train(_config("pipeline", model=model, depth=depth, devices=devices,
-                                stages=stages, sched=sched, recompute=recompute, **extra))
+                                stages=stages, sched=sched, recompute=recompute,
+                                chunks=chunks, **extra))
         summary = result.summary
         assert summary["pipeline_stages"] == stages, summary
+        assert len(summary["stage_layers"]) == stages * chunks, summary
+        if chunks > 1:   # stage s on device s mod S of its pipeline replica
+            devices_of = {name: result.strategy.stage_device(s)
+                          for s, layers in enumerate(summary["stage_layers"]) for name in layers}
+            assert devices_of["hidden_0"] == devices_of["hidden_2"] != devices_of["hidden_1"]
+            for variable in result.model.trainable_variables:
+                assert variable.value.device.endswith(
+                    devices_of[variable.path.split("/")[0]].split("device:")[-1]), variable.path
         assert summary["pipeline_replicas"] == devices // stages
         assert summary["microbatches"] == extra.get("microbatches", 4)
         # every layer with weights is on exactly one stage
@@ -132,19 +144,35 @@ def test_schedules_bound_the_micro_batches_in_flight():
     # 1F1B holds at most S - s micro-batches on stage s; GPipe holds all M.
     assert schedule.peak_in_flight(schedule.schedule(8, "1f1b", 4)) == [4, 3, 2, 1]
     assert schedule.peak_in_flight(schedule.schedule(8, "gpipe", 4)) == [8, 8, 8, 8]
-    for kind in ("1f1b", "gpipe"):
-        plan = schedule.schedule(5, kind, 3)
+    # Interleaved (2 devices x 2 chunks): device 0 warms up with 2(S-1) +
+    # (v-1)S = 4 forwards, so it holds 5 (stage, micro-batch) activations;
+    # GPipe's chunks hold all 2 x 8.
+    assert schedule.peak_in_flight(schedule.schedule(8, "1f1b", 2, 2)) == [5, 3]
+    assert schedule.peak_in_flight(schedule.schedule(8, "gpipe", 2, 2)) == [16, 16]
+    for kind, devices, chunks, m in [("1f1b", 3, 1, 5), ("gpipe", 3, 1, 5),
+                                     ("1f1b", 2, 3, 4), ("gpipe", 3, 2, 5)]:
+        plan = schedule.schedule(m, kind, devices, chunks)
         order = schedule.build_order(plan)
-        assert sorted(order) == sorted((s, k, i) for s in range(3) for k in "FB"
-                                       for i in range(5))
+        last = devices * chunks - 1
+        assert sorted(order) == sorted((s, k, i) for s in range(last + 1) for k in "FB"
+                                       for i in range(m))
+        for d, items in enumerate(plan):   # each device's stages, in its own order
+            assert {s % devices for s, _, _ in items} == {d}
+            assert [item for item in order if item in items] == items
         for s, k, i in order:   # every item after its inputs
             before = order[:order.index((s, k, i))]
             if k == "F" and s:
                 assert (s - 1, "F", i) in before
             if k == "B":
                 assert (s, "F", i) in before
-                assert s == 2 or (s + 1, "B", i) in before
+                assert s == last or (s + 1, "B", i) in before
+        # equal-time items reach the ideal bubble exactly: the formula is the schedule's
+        assert schedule.simulated_bubble(plan) == pytest.approx(
+            schedule.bubble(devices, m, chunks))
     assert schedule.bubble(2, 8) == pytest.approx(1 / 9)
+    assert schedule.bubble(2, 8, 2) == pytest.approx(1 / 17)
+    with pytest.raises(ValueError, match="groups of the devices"):
+        schedule.schedule(6, "1f1b", 4, 2)
 
 
 def test_checkpoints_are_whole_and_resume_under_another_engine(tmp_path):

@@ -36,11 +36,15 @@ pytestmark = pytest.mark.integration
 PROCESS_RUNS = {
     # The clip bites: a worker clipping by its own stage's norm instead ended
     # 1e-2 away from one device (tried), far outside the tolerance.
-    # Each process builds only its stage's weights, and the second replica's
+    # Each process builds only its stages' weights, and the second replica's
     # workers start from other weights ("skewed"): only each stage's first
     # worker's, sent to the stage's other replica, give one device's result.
-    "2 stages x 2 replicas, 1f1b, adam, clip": {
-        "strategy": {"pipeline_stages": 2}, "skewed": True,
+    # Interleaved: the model's 4 stages over each replica's 2 workers, stages
+    # 0 and 2 on the first, 1 and 3 on the second; boundaries go both ways
+    # between the two (stage 1's output back to the first worker).
+    "2 stages x 2 chunks x 2 replicas, interleaved 1f1b, adam, clip": {
+        "strategy": {"pipeline_stages": 2, "pipeline_chunks": 2}, "skewed": True,
+        "model": {"depth": 4},
         "optimizer": {"name": "adam", "learning_rate": 0.01, "clip_grad_norm": 0.1},
         # two loops: the stages are shared only once, at the end
         "steps_per_loop": 2},

@@ -256,18 +256,20 @@ def _itemsize(dtype) -> int:
 
 
 def split(model, stages: int, names: Optional[Sequence[str]] = None,
-          found: Optional[list] = None, input_signature=None) -> list:
+          found: Optional[list] = None, input_signature=None, flag: str = "") -> list:
     """S `Stage`s of `model`: balanced by FLOPs (for inputs like
     `input_signature`, see `blocks`), or starting at `names` (S-1 layer
-    names, each the first layer of a block)."""
+    names, each the first layer of a block). `flag` names the option that
+    asked for S in errors (default --pipeline_stages=S)."""
+    flag = flag or f"--pipeline_stages={stages}"
     if found is None:
         found = blocks(model, count_flops=names is None, input_signature=input_signature)
     model_name = getattr(model, "name", "model")
     if stages < 1:
-        raise UsageError(f"--pipeline_stages={stages}: must be at least 1")
+        raise UsageError(f"{flag}: must be at least 1")
     if stages > len(found):
         raise UsageError(
-            f"--pipeline_stages={stages}: model {model_name!r} splits into only {len(found)} "
+            f"{flag}: model {model_name!r} splits into only {len(found)} "
             f"block(s) (a stage boundary can fall only where one tensor crosses: "
             f"{_describe_cuts(found)}); use at most {len(found)} stages")
     if names is not None:

@@ -88,8 +88,9 @@ class Transfer:
 
 
 class StageGroup:
-    """The R workers that run one stage (one per pipeline replica), as a
-    collective group: their gradients summed, one collective per dtype."""
+    """The R workers that run one stage (one per pipeline replica; with
+    --pipeline_chunks, the same v stages), as a collective group: their
+    gradients summed, per dtype in buckets."""
 
     GROUP_BASE = Transfer.GROUP_BASE + (1 << 16)   # beside the stage pairs' groups
     INSTANCE_BASE = Transfer.INSTANCE_BASE + (1 << 16)
@@ -99,7 +100,7 @@ class StageGroup:
     def __init__(self, strategy: PipelineStrategy):
         self._strategy = strategy
         self.size = strategy.pipeline_replicas
-        self.key = self.GROUP_BASE + strategy.stage
+        self.key = self.GROUP_BASE + strategy.position
 
     def share(self, variable, index: int, mine: bool):
         """`variable`'s value from the one member where `mine` (its
@@ -161,6 +162,7 @@ class SharedGroup(StageGroup):
 
     def __init__(self, strategy: PipelineStrategy, stages: tuple):
         super().__init__(strategy)
-        self.size = len(stages) * strategy.pipeline_replicas
+        # a worker running several of the stages (--pipeline_chunks) is one member
+        self.size = len({s % strategy.positions for s in stages}) * strategy.pipeline_replicas
         self.key = self.GROUP_BASE + sorted(set(strategy.shared_variables().values())).index(
             stages)

@@ -38,7 +38,11 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
 
     def _create(self):
         config = self.config
-        self.num_stages = stages = config.pipeline_stages
+        # S devices (processes) per pipeline replica, each running v chunks:
+        # the model's S x v stages, stage s on device s mod S.
+        self.positions = positions = config.pipeline_stages
+        self.chunks = config.pipeline_chunks
+        self.num_stages = positions * self.chunks
         self.stages = None          # `split.Stage`s, once placed
         self._stage_models = None
         self._stage_outputs = None   # across processes: each stage's output for the data
@@ -53,28 +57,36 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         if not self.processes:
             self._spec, self._num_workers, self._worker_index = spec, 1, 0
             self.devices = cluster.local_devices(config.virtual_devices or None)
-            if len(self.devices) < stages or len(self.devices) % stages:
+            if len(self.devices) < positions or len(self.devices) % positions:
                 raise UsageError(
-                    f"--pipeline_stages={stages} does not divide onto the "
+                    f"--pipeline_stages={positions} does not divide onto the "
                     f"{len(self.devices)} local device(s) ({', '.join(self.devices)}): use a "
                     f"divisor of {len(self.devices)}, or --virtual_devices=<a multiple of "
-                    f"{stages}> on a CPU host")
-            self.pipeline_replicas = len(self.devices) // stages
-            self.local_stages = list(range(stages))
+                    f"{positions}> on a CPU host")
+            self.pipeline_replicas = len(self.devices) // positions
+            self.local_stages = list(range(self.num_stages))
             return tf.distribute.get_strategy()
-        if spec.num_workers % stages:
+        if spec.num_workers % positions:
             raise UsageError(
-                f"--pipeline_stages={stages} does not divide the cluster's "
+                f"--pipeline_stages={positions} does not divide the cluster's "
                 f"{spec.num_workers} workers: a cluster of S x R workers runs R pipeline "
                 f"replicas of S stages, one stage per worker (e.g. tfdist-launch "
-                f"--workers={stages * max(1, spec.num_workers // stages)})")
+                f"--workers={positions * max(1, spec.num_workers // positions)})")
         strategy = super()._create()   # MultiWorkerMirroredStrategy: sets up the collectives
-        self.pipeline_replicas = self._num_workers // stages
-        self.stage = self._worker_index % stages
-        self.replica = self._worker_index // stages
-        self.local_stages = [self.stage]
+        self.pipeline_replicas = self._num_workers // positions
+        self.position = self._worker_index % positions
+        self.replica = self._worker_index // positions
+        self.local_stages = list(range(self.position, self.num_stages, positions))
         self.devices = list(strategy.extended.worker_devices[:1])
         return strategy
+
+    def worker_of(self, stage: int, replica: int) -> int:
+        """Across processes, the worker running `stage` of pipeline replica
+        `replica`; in one process, the index of its device."""
+        return replica * self.positions + stage % self.positions
+
+    def _stages_here(self) -> str:
+        return ", ".join(map(str, self.local_stages))
 
     @property
     def num_replicas(self) -> int:
@@ -90,23 +102,31 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
     def describe(self) -> str:
         if self.processes:
             zero = ", ZeRO-1 over each stage's replicas" if self.zero1 else ""
-            return (f"pipeline: {self.num_stages} stages x {self.pipeline_replicas} pipeline "
-                    f"replica(s) over {self._num_workers} workers, "
-                    f"{self.config.pipeline_schedule} schedule{zero}; this is "
-                    f"{self.worker_name(self._worker_index)}: stage {self.stage} of replica "
+            return (f"pipeline: {self._shape()} x {self.pipeline_replicas} pipeline "
+                    f"replica(s) over {self._num_workers} workers, {self._schedule()} "
+                    f"schedule{zero}; this is {self.worker_name(self._worker_index)}: "
+                    f"stage{'s' if self.chunks > 1 else ''} {self._stages_here()} of replica "
                     f"{self.replica}{' (chief)' if self.is_chief else ''}")
-        groups = [", ".join(self.devices[r * self.num_stages:(r + 1) * self.num_stages])
+        groups = [", ".join(self.devices[r * self.positions:(r + 1) * self.positions])
                   for r in range(self.pipeline_replicas)]
-        return (f"pipeline: {self.num_stages} stages x {self.pipeline_replicas} pipeline "
-                f"replica(s), {self.config.pipeline_schedule} schedule, on "
-                + "; ".join(groups))
+        return (f"pipeline: {self._shape()} x {self.pipeline_replicas} pipeline "
+                f"replica(s), {self._schedule()} schedule, on " + "; ".join(groups))
+
+    def _shape(self) -> str:
+        if self.chunks == 1:
+            return f"{self.num_stages} stages"
+        return (f"{self.num_stages} stages ({self.positions} per pipeline x {self.chunks} "
+                "chunks each)")
+
+    def _schedule(self) -> str:
+        kind = self.config.pipeline_schedule
+        return f"interleaved {kind}" if self.chunks > 1 and kind == "1f1b" else kind
 
     def stage_device(self, stage: int, replica: int = 0) -> str:
+        worker = self.worker_of(stage, replica)
         if self.processes:
-            worker = replica * self.num_stages + stage
-            return f"worker {worker}" if stage != self.stage or replica != self.replica \
-                else self.devices[0]
-        return self.devices[replica * self.num_stages + stage]
+            return f"worker {worker}" if worker != self._worker_index else self.devices[0]
+        return self.devices[worker]
 
     def input_iterator(self, dataset_fn):
         """Across processes, the S workers of a pipeline replica read the same
@@ -127,6 +147,13 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
                 f"--global_batch_size={tc.global_batch_size} must be divisible by pipeline "
                 f"replicas ({self.pipeline_replicas}) x --microbatches ({tc.accum_steps}) "
                 f"= {parts}; e.g. {max(parts, tc.global_batch_size // parts * parts)}")
+        if self.chunks > 1 and self.config.pipeline_schedule == "1f1b" and \
+                tc.accum_steps % self.positions:
+            raise UsageError(
+                f"--microbatches={tc.accum_steps}: interleaved 1F1B (--pipeline_chunks="
+                f"{self.chunks}) runs micro-batches in groups of --pipeline_stages="
+                f"{self.positions}; use a multiple of {self.positions}, e.g. "
+                f"{-(-tc.accum_steps // self.positions) * self.positions}")
         if tc.reduce_bucket_mb:
             raise UsageError(f"--reduce_bucket_mb={tc.reduce_bucket_mb}: --strategy=pipeline "
                              "makes one reduction per update; use --reduce_bucket_mb=0")
@@ -149,8 +176,10 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         """Split `model` into its stages, balanced by FLOPs for inputs like
         `input_signature` (one example of the data, batch 1), and place them."""
         names = list(self.config.pipeline_split) or None
+        flag = f"--pipeline_stages={self.positions}" + (
+            f" x --pipeline_chunks={self.chunks}" if self.chunks > 1 else "")
         self.stages = split_lib.split(model, self.num_stages, names=names,
-                                      input_signature=input_signature)
+                                      input_signature=input_signature, flag=flag)
         self._stage_models = stages_lib.stage_models(model, self.stages)
         self._stage_variables = [m.trainable_variables for m in self._stage_models]
         # A variable on several stages (a layer they share) is owned by the
@@ -223,8 +252,7 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         if prefix and self.processes:
             m = self._microbatches or 1
             self._timeline_prefix = prefix
-            self._timeline_items = schedule_lib.schedule(
-                m, self.config.pipeline_schedule, self.num_stages)[self.stage]
+            self._timeline_items = self.plan(m)[self.position]
             self._timeline = tf.Variable(tf.zeros([len(self._timeline_items), 3], tf.float64),
                                          trainable=False)
 
@@ -232,14 +260,15 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         if self._timeline is not None:
             stamps = self._timeline.numpy().tolist()
             with open(f"{self._timeline_prefix}-{self._worker_index}.json", "w") as f:
-                json.dump({"stage": self.stage, "replica": self.replica,
-                           "schedule": self.config.pipeline_schedule,
+                json.dump({"position": self.position, "stages": self.local_stages,
+                           "replica": self.replica, "positions": self.positions,
+                           "chunks": self.chunks, "schedule": self.config.pipeline_schedule,
                            "microbatches": self._microbatches,
                            # this process's peak resident memory (Linux: KiB)
                            "peak_rss_bytes": resource.getrusage(
                                resource.RUSAGE_SELF).ru_maxrss * 1024,
-                           # [kind, micro-batch, started, inputs there, ended]
-                           "items": [[kind, i, *times] for (kind, i), times
+                           # [stage, kind, micro-batch, started, inputs there, ended]
+                           "items": [[s, kind, i, *times] for (s, kind, i), times
                                      in zip(self._timeline_items, stamps)]}, f)
             self._timeline = None
         super().close()
@@ -257,28 +286,39 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         with tf.device("/cpu:0"):
             return dataset_fn(context)
 
+    def plan(self, m: int) -> list:
+        """Each device's (process's) items of one pipeline replica, in order."""
+        return schedule_lib.schedule(m, self.config.pipeline_schedule, self.positions,
+                                     self.chunks)
+
     def stage_report(self, model) -> str:
         if self.stages is None:
             self.place_model(model)
         m = self._microbatches or 1
-        in_flight = schedule_lib.peak_in_flight(
-            schedule_lib.schedule(m, self.config.pipeline_schedule, self.num_stages))
+        plan = self.plan(m)
+        in_flight = schedule_lib.peak_in_flight(plan)
         lines = [self.describe(), split_lib.table(self.stages)]
-        lines += [f"stage {s} on {self.stage_device(s)}: at most {in_flight[s]} of {m} "
-                  f"micro-batches' activations held at once ({self.config.pipeline_schedule})"
-                  for s in range(self.num_stages)]
-        lines.append(f"ideal bubble (S-1)/(M+S-1) = {schedule_lib.bubble(self.num_stages, m):.0%}")
+        for d in range(self.positions):
+            stages = list(range(d, self.num_stages, self.positions))
+            where = f"stage {stages[0]}" if len(stages) == 1 else \
+                f"stages {', '.join(map(str, stages))}"
+            lines.append(f"{where} on {self.stage_device(d)}: at most {in_flight[d]} of "
+                         f"{m * len(stages)} (stage, micro-batch) activations held at once "
+                         f"({self._schedule()})")
+        formula = "(S-1)/(M+S-1)" if self.chunks == 1 else "(S-1)/(vM+S-1)"
+        lines.append(f"ideal bubble {formula} = "
+                     f"{schedule_lib.bubble(self.positions, m, self.chunks):.0%}")
         return "\n".join(lines)
 
     def summary_fields(self, model, optimizer) -> dict:
-        fields = {"pipeline_stages": self.num_stages,
+        fields = {"pipeline_stages": self.positions, "pipeline_chunks": self.chunks,
                   "pipeline_replicas": self.pipeline_replicas,
                   "pipeline_schedule": self.config.pipeline_schedule,
                   "microbatches": self._microbatches,
                   "stage_layers": [list(s.layers) for s in self.stages or ()],
                   "stage_param_bytes": [s.param_bytes for s in self.stages or ()]}
         if self.processes:
-            fields["stage"], fields["pipeline_replica"] = self.stage, self.replica
+            fields["stages"], fields["pipeline_replica"] = self.local_stages, self.replica
             fields["zero_stage"] = self.config.zero
         return fields
 
@@ -293,11 +333,11 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
             line = super().describe_fault(error)
             if found and "peer" not in line and "unreachable" not in line:
                 kind = "forward" if found.group(2) == "F" else "backward"
-                return (f"pipeline stage {self.stage} of replica {self.replica} "
+                return (f"pipeline stage {found.group(1)} of replica {self.replica} "
                         f"({self.worker_name(self._worker_index)}, {kind} of micro-batch "
                         f"{found.group(3)}): {type(error).__name__}: {first_line(error)}")
-            return re.sub(r"\bworker (\d+)\b", lambda w: f"worker {w.group(1)} (stage "
-                          f"{int(w.group(1)) % self.num_stages})", line)
+            return re.sub(r"\bworker (\d+)\b", lambda w: f"worker {w.group(1)} ("
+                          f"{self._stages_of_worker(int(w.group(1)))})", line)
         found = re.search(r"stage(\d+)_([FB])(\d+)", text)
         if found and self.stages is not None:
             s = int(found.group(1))
@@ -305,6 +345,10 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
             return (f"pipeline stage {s} on {self.stage_device(s)} ({kind} of micro-batch "
                     f"{found.group(3)}): {type(error).__name__}: {first_line(error)}")
         return f"pipeline: {type(error).__name__}: {first_line(error)}"
+
+    def _stages_of_worker(self, worker: int) -> str:
+        stages = list(range(worker % self.positions, self.num_stages, self.positions))
+        return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
 
     # -- the step ----------------------------------------------------------------
     def local_gradients(self, losses, x, y, weight):

@@ -27,9 +27,16 @@ class PipelineOptions:
              "--microbatches: 1f1b (one forward, one backward in turn: each stage holds at "
              "most S micro-batches' activations) or gpipe (every forward, then every "
              "backward: M).")
+    pipeline_chunks: int = option(
+        1, lower=1, check=positive, tunable=(1, 2), group=ENGINE,
+        help="pipeline: the model chunks each device (process) of a pipeline runs: the model "
+             "is split into S x v stages, stage s on device s mod S, and 1F1B becomes "
+             "interleaved 1F1B (--microbatches a multiple of S): the ideal bubble shrinks "
+             "from (S-1)/(M+S-1) to (S-1)/(vM+S-1), at v times the boundary transfers.")
     pipeline_split: tuple = option(
         (), check=_layer_names, group=ENGINE,
         help="pipeline: the layer names where stages 2..S begin (S-1 names, in model order; "
+             "S x v stages and S x v - 1 names with --pipeline_chunks=v; "
              "each must begin a block, where one tensor crosses); default: balanced by "
              "FLOPs.")
     pipeline_gather: bool = option(

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 
 
 class StagesAcrossProcesses:
-    """The members of `PipelineStrategy` for a worker that runs one stage of
-    a pipeline replica across processes (`splits_update`): a part of
-    `PipelineStrategy`, whose state they read (`processes`, `stage`,
+    """The members of `PipelineStrategy` for a worker that runs one place of
+    a pipeline replica across processes (`splits_update`): its stage, or
+    its v chunks' stages under --pipeline_chunks. A part of
+    `PipelineStrategy`, whose state they read (`processes`, `local_stages`,
     `replica`, `_held`, `_released`, `_stage_models`, ...). In one process
     each is the identity or does as without stages."""
 
@@ -130,7 +131,7 @@ class StagesAcrossProcesses:
                 self._slot_replica[(s, id(variables[k]))] = r
                 loads[r] += math.prod(variables[k].shape)
         self._slots_here = frozenset(key for (s, key), r in self._slot_replica.items()
-                                     if s == self.stage and r == self.replica)
+                                     if s in self.local_stages and r == self.replica)
 
     def _keeps(self, variable, owner) -> bool:
         """Whether this worker holds `variable` (of `owner`'s stage: `owner`
@@ -141,8 +142,8 @@ class StagesAcrossProcesses:
         """The workers of `stage` (a stage holding `owner`) that hold
         `variable`: every replica's for a variable, under ZeRO-1 one for a slot."""
         if variable is owner or not self.zero1:
-            return list(range(stage, self._num_workers, self.num_stages))
-        return [stage + self._slot_replica[(stage, id(owner))] * self.num_stages]
+            return [self.worker_of(stage, r) for r in range(self.pipeline_replicas)]
+        return [self.worker_of(stage, self._slot_replica[(stage, id(owner))])]
 
     def applied_update(self, grads, variables) -> tuple:
         if not self.zero1:
@@ -285,11 +286,8 @@ class StagesAcrossProcesses:
             groups.setdefault(shared.get(id(variable), ()), []).append(k)
         summed = list(grads)
         for stages, positions in groups.items():
-            if stages:
-                group = SharedGroup(self, stages)
-            elif self.pipeline_replicas > 1:
-                group = StageGroup(self)
-            else:
+            group = SharedGroup(self, stages) if stages else StageGroup(self)
+            if group.size == 1:   # one replica, or every sharing stage on this worker
                 continue
             for k, value in zip(positions, group.all_reduce_sum([grads[k] for k in positions])):
                 summed[k] = value
@@ -304,7 +302,7 @@ class StagesAcrossProcesses:
         """Each stage's squared norm from its replica 0, summed over all
         workers; a shared layer's gradients counted on its first stage only."""
         own = [g for g, v in zip(grads, self._variables_of(grads))
-               if self._stages_of[id(v)][0] == self.stage]
+               if self._stages_of[id(v)][0] in self.local_stages]
         squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in own]
                            or [tf.zeros([])])
         if self.replica:
@@ -388,11 +386,11 @@ class StagesAcrossProcesses:
         return not self._released & set(self._stages_of)
 
     def gather_stages(self, pairs) -> None:
-        """Each stage's replica-0 worker (worker s, for stage s) sends every
-        variable and slot of its stage to the chief (worker 0, stage 0), one
+        """Each stage's replica-0 worker (worker s mod S, for stage s) sends
+        every variable and slot of its stage to the chief (worker 0), one
         point-to-point transfer each, in a group of those two workers; the
         chief's storage of them is refilled. The other workers keep theirs."""
-        if not self.processes or self.num_stages == 1:
+        if not self.processes or self.positions == 1:
             return
         self._traced("gather", pairs)()
         if self._worker_index == 0:
@@ -418,8 +416,8 @@ class StagesAcrossProcesses:
         return self._transfers[key]
 
     def _transfer_fn(self, kind: str, pairs):
-        """Gather: stage s's variables from worker s to worker 0. Scatter: from
-        worker 0 to every worker of their stage. One transfer at a time: a
+        """Gather: stage s's variables from worker s mod S to worker 0.
+        Scatter: from worker 0 to every worker of their stage. One transfer at a time: a
         send holds copies of its tensor until it is received (serialised for
         the wire), and all at once had grown a 130M-parameter mlp's stage-1
         process by 1 GB."""
@@ -431,7 +429,7 @@ class StagesAcrossProcesses:
                 moves = [(source, 0, Transfer.GATHER_GROUP_BASE + source)] if source else []
             else:   # to every worker of every stage holding it, from the chief or,
                 # where each process built only its stages, from the owning stage's replica 0
-                source = stage if self.by_stage else 0
+                source = self.worker_of(stage, 0) if self.by_stage else 0
                 moves = [(source, worker,
                           Transfer.SCATTER_GROUP_BASE + source * self._num_workers + worker)
                          for held_by in self._stages_of[id(owner)]
@@ -459,20 +457,30 @@ class StagesAcrossProcesses:
         return [compat.set_storage(component, value) for component in self._components(variable)]
 
     def forward(self, x, y):
-        """This worker's stage of the evaluation forward pass of one batch:
-        (the model's output, []) on the last stage, else (None, [the send to
-        the next stage]). Stage 0 reads `x`, the others receive their
-        neighbour's output; `y` gives the batch's rows."""
-        stage, last = self.stage, self.num_stages - 1
+        """This worker's stages of the evaluation forward pass of one batch,
+        in model order: (the model's output, []) where it runs the last
+        stage, else (None, [the sends to the next stages]). Stage 0 reads
+        `x`, the others receive their neighbour's output (or take it here);
+        `y` gives the batch's rows."""
         transfer = Transfer(self, self.replica, tf.shape(tf.nest.flatten(y)[0])[0],
                             instance_base=Transfer.EVAL_INSTANCE_BASE)
-        with tf.name_scope(f"stage{stage}_E0"):
-            source = x if stage == 0 else transfer.receive_activation(stage, 0)
-            out = self._stage_models[stage](None if stage == 0 else source, x,
-                                            training=False)
-            if stage == last:
-                return out, []
-            return None, [transfer.send_activation(stage, 0, out)]
+        out, sends = None, []
+        for stage in self.local_stages:
+            with tf.name_scope(f"stage{stage}_E0"):
+                if stage == 0:
+                    source = x
+                elif stage - 1 not in self.local_stages:
+                    source = transfer.receive_activation(stage, 0)
+                else:
+                    source = out
+                out = self._stage_models[stage](None if stage == 0 else source, x,
+                                                training=False)
+                if stage + 1 < self.num_stages and stage + 1 not in self.local_stages:
+                    sends.append(transfer.send_activation(stage, 0, out))
+        if self.num_stages - 1 not in self.local_stages:
+            return None, sends
+        with tf.control_dependencies(sends):   # the output, once this worker's sends ran
+            return tf.nest.map_structure(tf.identity, out), []
 
     def state_share(self, variable, value):
         """Across processes, the R workers of `variable`'s stage hold its
@@ -482,5 +490,5 @@ class StagesAcrossProcesses:
         if not self.processes:
             return value
         if id(variable) in self._held:
-            return value * tf.cast(self.num_stages, value.dtype)
+            return value * tf.cast(self.positions, value.dtype)
         return tf.zeros_like(value)

@@ -45,8 +45,7 @@ class _ReplicaItems:
         """Every item of this process's stages, in the schedule's build
         order; (grads, counters, separate) as `replica_items` returns them."""
         strategy = self.strategy
-        plan = schedule_lib.schedule(self.losses.micro_batches, strategy.config.pipeline_schedule,
-                                     strategy.num_stages)
+        plan = strategy.plan(self.losses.micro_batches)
         if self.last_stage not in self.here:
             self.counters = self._stand_in_counters()
         for s, kind, i in schedule_lib.build_order(plan):
@@ -77,10 +76,12 @@ class _ReplicaItems:
         return tf.zeros_like(shape_of)
 
     def _item(self, s: int, kind: str, i: int) -> None:
-        """Stage `s`'s item `kind` of micro-batch `i`, after the stage's
-        previous item, on the stage's device (in one process)."""
+        """Stage `s`'s item `kind` of micro-batch `i`, after its device's
+        previous item (of any of the device's stages), on the stage's device
+        (in one process)."""
         strategy = self.strategy
-        after = [self.last_item[s]] if s in self.last_item else []
+        d = s % strategy.positions
+        after = [self.last_item[d]] if d in self.last_item else []
         place = contextlib.nullcontext() if strategy.processes else \
             tf.device(strategy.stage_device(s, self.replica))
         if self.timed:
@@ -93,11 +94,11 @@ class _ReplicaItems:
                 done = self._forward(s, i, x_i, y_i, w_i)
             else:
                 done = self._backward(s, i)
-            self.last_item[s] = tf.group(*done)
+            self.last_item[d] = tf.group(*done)
         if self.timed:
-            with tf.control_dependencies([self.last_item[s]]):
+            with tf.control_dependencies([self.last_item[d]]):
                 self.stamps.append(tf.timestamp())
-            self.last_item[s] = self.stamps[-1]
+            self.last_item[d] = self.stamps[-1]
 
     def _forward(self, s: int, i: int, x_i, y_i, w_i) -> list:
         """Stage `s`'s forward pass of micro-batch `i`, recorded on a tape
@@ -121,7 +122,7 @@ class _ReplicaItems:
                 # here R of the N = S x R workers (or, in one process,
                 # R pipelines in turn) add this stage's.
                 reg = losses.regularization(stage_model.losses) * (
-                    strategy.num_stages if strategy.processes else 1 / self.in_process_replicas)
+                    strategy.positions if strategy.processes else 1 / self.in_process_replicas)
             if s == self.last_stage:
                 loss, micro_counters, known = losses.loss(y_i, out, w_i)
                 self.apart = reg is not None and not known
