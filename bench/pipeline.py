@@ -1,7 +1,8 @@
-"""Pipeline parallelism across processes (issue 22): S=2 stages, each a process.
+"""Pipeline parallelism across processes: S=2 stages, each a process.
 
     .venv/bin/python bench/pipeline.py [--microbatches 8] [--steps 25] [--width 1024]
         [--depth 6] [--global_batch 512] [--interop 2] [--pin/--nopin] [--png PATH]
+        [--chunks 2]
 
 `--stages S` runs S stage processes (default 2; more than the cores measures
 memory, not speed). `--zero1` instead runs S x 2 workers (two pipeline replicas
@@ -15,17 +16,20 @@ Adam, float32, no XLA: the pipeline cannot use it):
   shows, each stage a process (a 2-worker TF_CONFIG cluster) pinned to a core
   of its own (`--pin`), one intra-op and `--interop` (default 2) inter-op threads
   (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS), no micro-batching;
-- `pipeline M=<M> 1f1b` and `gpipe`: the same with M micro-batches.
+- `pipeline M=<M> 1f1b` and `gpipe`: the same with M micro-batches;
+- `pipeline M=<M> interleaved 1f1b, v=<V>`: the model in S x V stages, each
+  process running V of them (`--pipeline_chunks`, `--chunks`, default 2).
 
 Prints examples/sec of each, their ratios to M=1 (ideal for S=2, M=8: 16/9 =
-1.78x; issue 22's target 1.4x) and to `default`, and, from each pipelined run's
+1.78x; interleaved with v=2: 32/17 = 1.88x) and to `default`, and, from each pipelined run's
 timeline of its last step (each worker records when each of its items' inputs
 were there and when it ended: TFDIST_PIPELINE_TIMELINE), the measured bubble
-1 - busy / (S x span) against the ideal (S-1)/(M+S-1), and each stage
+1 - busy / (S x span) against the ideal (S-1)/(vM+S-1), and each stage
 process's peak resident memory (1F1B holds at most S micro-batches'
 activations, GPipe M: visible once the activations outweigh TensorFlow's own
 memory, e.g. `--width 2048 --global_batch 4096`). `--png` draws the
-timelines (one row per stage, forwards light, backwards dark).
+timelines (one row per stage process, forwards light, backwards dark; an
+interleaved run's second chunk in green, its items labelled F<micro-batch>.<stage>).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import REPO, TRAIN, hardware_header, summary, table  # noqa: E402
 
+from tfdist.pipeline import schedule  # noqa: E402  (no TensorFlow)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -50,13 +56,13 @@ def _free_port() -> int:
 
 
 def pipeline_run(args, microbatches: int, kind: str, timeline: str, replicas: int = 1,
-                 extra: tuple = ()) -> dict:
+                 extra: tuple = (), chunks: int = 1) -> dict:
     """S x `replicas` stage processes; worker 0's (the chief's) run summary."""
     ports = [_free_port() for _ in range(args.stages * replicas)]
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     command = [TRAIN, "--strategy=pipeline", f"--pipeline_stages={args.stages}",
                f"--microbatches={microbatches}", f"--pipeline_schedule={kind}",
-               *model_flags(args), *extra]
+               f"--pipeline_chunks={chunks}", *model_flags(args), *extra]
     procs = []
     for k in range(args.stages * replicas):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -114,14 +120,15 @@ def model_flags(args) -> list:
 
 
 def read_timeline(prefix: str, stages: int) -> tuple:
-    """([(stage, kind, micro-batch, inputs there, end)] of the last step, every
-    worker; each stage process's peak resident memory in bytes)."""
+    """([(process's place in the pipeline, stage, kind, micro-batch, inputs
+    there, end)] of the last step, every worker; each stage process's peak
+    resident memory in bytes)."""
     rows, peaks = [], []
     for k in range(stages):
         with open(f"{prefix}-{k}.json") as f:
             data = json.load(f)
-        rows += [(data["stage"], kind, i, ready, end)
-                 for kind, i, _start, ready, end in data["items"]]
+        rows += [(data["position"], s, kind, i, ready, end)
+                 for s, kind, i, _start, ready, end in data["items"]]
         peaks.append(data["peak_rss_bytes"])
     return rows, peaks
 
@@ -129,9 +136,9 @@ def read_timeline(prefix: str, stages: int) -> tuple:
 def bubble(rows: list, stages: int = 2) -> tuple:
     """(measured bubble, span in ms): 1 - busy / (stages x span), busy being
     each item's time from its inputs being there to its end."""
-    start = min(r[3] for r in rows)
-    span = max(r[4] for r in rows) - start
-    busy = sum(r[4] - r[3] for r in rows)
+    start = min(r[4] for r in rows)
+    span = max(r[5] for r in rows) - start
+    busy = sum(r[5] - r[4] for r in rows)
     return 1 - busy / (stages * span), span * 1e3
 
 
@@ -142,14 +149,17 @@ def draw(timelines: dict, path: str, stages: int = 2) -> None:
     fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.6 * len(timelines)),
                              squeeze=False)
     for axis, (name, rows) in zip(axes[:, 0], timelines.items()):
-        start = min(r[3] for r in rows)
-        for stage, kind, i, ready, end in rows:
-            axis.barh(stage, (end - ready) * 1e3, left=(ready - start) * 1e3,
-                      color="#9ecae1" if kind == "F" else "#3182bd", edgecolor="black",
-                      linewidth=0.4)
-            axis.text((ready - start) * 1e3 + (end - ready) * 5e2, stage, f"{kind}{i}",
-                      ha="center", va="center", fontsize=6)
-        axis.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+        start = min(r[4] for r in rows)
+        chunked = len({r[1] for r in rows}) > stages
+        for position, stage, kind, i, ready, end in rows:
+            light, dark = (("#a1d99b", "#31a354") if chunked and stage >= stages
+                           else ("#9ecae1", "#3182bd"))
+            axis.barh(position, (end - ready) * 1e3, left=(ready - start) * 1e3,
+                      color=light if kind == "F" else dark, edgecolor="black", linewidth=0.4)
+            label = f"{kind}{i}" if not chunked else f"{kind}{i}.{stage}"
+            axis.text((ready - start) * 1e3 + (end - ready) * 5e2, position, label,
+                      ha="center", va="center", fontsize=5 if chunked else 6)
+        axis.set_yticks(range(stages), [f"process {s}" for s in range(stages)])
         axis.invert_yaxis()
         axis.set_title(name, fontsize=9)
         axis.set_xlabel("ms into the step")
@@ -162,6 +172,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2,
                         help="stage processes (more than the cores: for memory, not speed)")
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=2,
+                        help="the interleaved 1F1B row's chunks per stage process "
+                             "(--pipeline_chunks; 1: no such row)")
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
@@ -195,18 +208,23 @@ def main() -> None:
                  f"{base['peak_rss_bytes'] / 2**20:.0f}", f"{base['examples_per_sec']:.0f}"])
     print(rows[-1], flush=True)
     with tempfile.TemporaryDirectory() as scratch:
-        runs = [(1, "1f1b"), (m, "1f1b"), (m, "gpipe")]
+        runs = [(1, "1f1b", 1), (m, "1f1b", 1), (m, "gpipe", 1)]
+        runs += [(m, "1f1b", args.chunks)] if args.chunks > 1 else []
         results = {}
-        for microbatches, kind in runs:
-            prefix = os.path.join(scratch, f"timeline-{microbatches}-{kind}")
-            run = pipeline_run(args, microbatches, kind, prefix)
+        for microbatches, kind, chunks in runs:
+            prefix = os.path.join(scratch, f"timeline-{microbatches}-{kind}-{chunks}")
+            run = pipeline_run(args, microbatches, kind, prefix, chunks=chunks)
             name = f"pipeline M={microbatches}" + (f" {kind}" if microbatches > 1 else "")
+            if chunks > 1:
+                name = f"pipeline M={microbatches} interleaved {kind}, v={chunks}"
             results[name] = run
             timeline, peaks = read_timeline(prefix, args.stages)
             measured, span = bubble(timeline, args.stages)
             if microbatches > 1:
                 timelines[name] = timeline
-            ideal = (args.stages - 1) / (microbatches + args.stages - 1)
+                if chunks > 1:
+                    print(f"{name}: stages {run.get('stage_layers')}", flush=True)
+            ideal = schedule.bubble(args.stages, microbatches, chunks)
             rows.append([name, f"{measured:.0%} (ideal {ideal:.0%}; step {span:.0f} ms)",
                          " / ".join(f"{p / 2**20:.0f}" for p in peaks),
                          f"{run['examples_per_sec']:.0f}"])

@@ -5,10 +5,12 @@ balanced by FLOPs over its blocks, or at --pipeline_split's layers); stage s
 lives on device s (its layers' variables and their optimizer slots there) or
 in worker s, and each global batch is cut into --microbatches (the same
 number as --accum_steps) micro-batches that flow through the stages on a GPipe or 1F1B schedule
-(`tfdist.pipeline.schedule`). One traced program holds every stage's items;
-each stage's items are chained with control dependencies in its schedule's
-order, so each device runs its own schedule and the stages' work overlaps
-wherever the data allows. With more devices than stages (a multiple of S),
+(`tfdist.pipeline.schedule`). With --pipeline_chunks=v the model is split
+into S x v stages and device (worker) d runs stages d, d + S, ... (interleaved
+1F1B); below, "stage s's device" is device s mod S. One traced program holds
+every stage's items; each device's items are chained with control
+dependencies in its schedule's order, so each device runs its own schedule
+and the stages' work overlaps wherever the data allows. With more devices than stages (a multiple of S),
 R = devices / S pipeline replicas each take 1/R of the batch, and their
 gradients are summed before the one update.
 
@@ -18,7 +20,8 @@ Where it runs:
   threadpool, so they prove correctness and placement but never speed
   (docs/guides/pipeline.md).
 - across processes (a TF_CONFIG cluster of N = S x R workers, e.g. from
-  tfdist-launch): worker k runs stage k mod S of pipeline replica k div S,
+  tfdist-launch): worker k runs stage k mod S of pipeline replica k div S
+  (with chunks: its stages k mod S, k mod S + S, ...),
   its own program (one client per stage: bench/pipeline_probe.py measured
   that one client driving several tasks runs their parts one after the
   other), and sends boundary tensors to its neighbours point to point

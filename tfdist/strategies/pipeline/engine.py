@@ -299,11 +299,13 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         in_flight = schedule_lib.peak_in_flight(plan)
         lines = [self.describe(), split_lib.table(self.stages)]
         for d in range(self.positions):
-            stages = list(range(d, self.num_stages, self.positions))
-            where = f"stage {stages[0]}" if len(stages) == 1 else \
-                f"stages {', '.join(map(str, stages))}"
-            lines.append(f"{where} on {self.stage_device(d)}: at most {in_flight[d]} of "
-                         f"{m * len(stages)} (stage, micro-batch) activations held at once "
+            if self.chunks == 1:
+                lines.append(f"stage {d} on {self.stage_device(d)}: at most {in_flight[d]} of "
+                             f"{m} micro-batches' activations held at once ({self._schedule()})")
+                continue
+            lines.append(f"stages {', '.join(map(str, range(d, self.num_stages, self.positions)))}"
+                         f" on {self.stage_device(d)}: at most {in_flight[d]} of "
+                         f"{m * self.chunks} (stage, micro-batch) activations held at once "
                          f"({self._schedule()})")
         formula = "(S-1)/(M+S-1)" if self.chunks == 1 else "(S-1)/(vM+S-1)"
         lines.append(f"ideal bubble {formula} = "
