@@ -10,6 +10,8 @@ import tensorflow as tf  # noqa: E402
 
 IMAGE_SPEC = DatasetSpec(name="random_images", kind="image", input_shape=(8, 8, 3),
                          num_classes=5, train_examples=512, eval_examples=96)
+# Host inputs for a trained model's predictions, the same in every test and worker.
+PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).astype(np.float32)
 
 
 def image_dataset_fn(split, context):

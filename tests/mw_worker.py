@@ -17,7 +17,9 @@ test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
 (under the pipeline, made-<worker>.json: the elements of storage made for
 trainable variables, and those held at the end) and
 OUT_DIR/weights-<worker>.npz and optimizer-<worker>.npz (its variables), summary-<worker>.json (and, under
-dtensor, predictions-<worker>.npy: the trained model's outputs on PROBE).
+dtensor, predictions-<worker>.npy: the trained model's outputs on PROBE; under
+the pipeline, where RunResult.model is a StagesModel, stages_model-<worker>.json:
+its predictions on PROBE, or its refusal, and its refusal to save).
 Errors end the process as tfdist-train's do (`tfdist.app.run`): a fault is one
 line, `mw_worker.py: fault: ...`, exit status 1.
 
@@ -39,10 +41,7 @@ import numpy as np
 # (tests/integration/: test_tasks, test_nonfinite).
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")]
-from common import IMAGE_SPEC, image_dataset_fn, mw_config, train_from  # noqa: E402
-
-# Host inputs for the trained model's predictions (OUT_DIR/predictions-<worker>.npy).
-PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).astype(np.float32)
+from common import IMAGE_SPEC, PROBE, image_dataset_fn, mw_config, train_from  # noqa: E402
 
 
 def main(out_dir, strategy, steps, overrides="{}"):
@@ -191,6 +190,19 @@ def _save(out_dir, strategy, index, result):
     if strategy == "dtensor":   # the trained model on host data, in every process
         np.save(os.path.join(out_dir, f"predictions-{index}.npy"),
                 result.model.predict(PROBE, verbose=0))
+    if strategy == "pipeline" and type(result.model).__name__ == "StagesModel":
+        # Every worker predicts through the stages, or (the chief holding the
+        # whole model) is told to predict on the chief.
+        try:
+            outcome = {"predictions": result.model.predict(PROBE, batch_size=6).tolist()}
+        except RuntimeError as error:
+            outcome = {"refusal": str(error)}
+        try:
+            result.model.save(os.path.join(out_dir, f"never-{index}.keras"))
+        except RuntimeError as error:
+            outcome["save_refusal"] = str(error)
+        with open(os.path.join(out_dir, f"stages_model-{index}.json"), "w") as f:
+            json.dump(outcome, f)
     with open(os.path.join(out_dir, f"summary-{index}.json"), "w") as f:
         json.dump(result.summary, f)
 

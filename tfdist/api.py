@@ -32,7 +32,7 @@ from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
 from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, ServingProcesses,
                                             TensorSharding, ZeroStages, capability, require)
-from tfdist.mesh_model import MeshModel
+from tfdist.mesh_model import MeshModel, StagesModel
 from tfdist.training.controller import Controller
 from tfdist.training.trainer import Trainer, total_steps
 
@@ -40,9 +40,9 @@ from tfdist.training.trainer import Trainer, total_steps
 @dataclasses.dataclass
 class RunResult:
     summary: dict          # the run summary (also printed and written as summary.json)
-    # The trained model; predicts, evaluates on host data. Under tensor
-    # sharding, when a whole copy would not fit this process, a `MeshModel`
-    # (predict, evaluate and save run on the mesh; see tfdist/mesh_model.py).
+    # The trained model; predicts, evaluates on host data. Where this process
+    # does not hold it whole, a `MeshModel` (tensor sharding: runs on the mesh)
+    # or a `StagesModel` (pipeline stages); see tfdist/mesh_model.py.
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     is_chief: bool = True  # only the chief prints and writes the summary
@@ -62,6 +62,8 @@ def export(source, export_dir: str, *, model_fn=None, spec=None) -> dict:
     checkpoint; runs of your own model_fn pass it again). Returns the paths.
     """
     if isinstance(source, RunResult):
+        if isinstance(source.model, StagesModel):
+            source.model.save(os.path.join(export_dir, "model.keras"))   # says why not
         if isinstance(source.model, MeshModel):
             return export_lib.export_mesh_model(source.model, export_dir)
         return export_lib.export_model(source.model, export_dir, strategy=source.strategy,
@@ -490,9 +492,7 @@ def _finish(config, strategy, model, optimizer, summary, task, rebuild) -> RunRe
     if strategy.is_chief and tc.model_dir:
         summary_lib.write_summary(tc.model_dir, summary)
     if staged:
-        logging.info("%s holds its pipeline stages only: RunResult.model predicts, evaluates "
-                     "and exports on the chief where it gathered the trained model "
-                     "(--pipeline_gather)", strategy.describe_process())
+        model = StagesModel.of(model, pipeline, task)
     if sharded is not None:
         strategy.end_of_run()
     return RunResult(summary=summary, model=model, optimizer=optimizer,

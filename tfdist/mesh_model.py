@@ -1,4 +1,5 @@
-"""A trained model too large for one process, used where it lives: on the mesh.
+"""A trained model too large for one process, used where it lives: on the
+mesh (`MeshModel`) or in a pipeline's stages (`StagesModel`).
 
 Under tensor sharding (`--strategy=dtensor`) a run's `RunResult.model` is a
 whole host copy of the trained model when that fits the process. When it does
@@ -20,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 
 class MeshModel:
@@ -56,15 +58,7 @@ class MeshModel:
         the mesh, then scored on the host with the run's own loss and metrics
         (the same code as training's evaluation)."""
         del verbose
-        y_pred = self.predict(x, batch_size)
-        n = len(tf.nest.flatten(y)[0])
-        weight = tf.ones([n]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-        real = tf.ones([n])
-        y_pred = tf.nest.map_structure(tf.convert_to_tensor, y_pred)
-        numerator, divisor, _ = self._task.loss_terms(y, y_pred, weight, real)
-        deltas = self._task.metric_deltas(y, y_pred, weight)
-        results = self._task.results(float(numerator), float(divisor), deltas.numpy())
-        return results if return_dict else list(results.values())
+        return scored(self._task, y, self.predict(x, batch_size), sample_weight, return_dict)
 
     def save(self, path: str) -> Optional[str]:
         """Write a Keras `.keras` file (architecture and weights) to `path`.
@@ -88,6 +82,90 @@ class MeshModel:
             if not self.is_chief:
                 shutil.rmtree(os.path.dirname(target), ignore_errors=True)
         return path if self.is_chief else None
+
+
+class StagesModel:
+    """`RunResult.model` of a pipeline worker across processes that does not
+    hold the whole trained model: the worker's Keras model (its stages'
+    weights; the other stages' are empty) for everything but inference and
+    saving, which need the other stages. Where no process holds the whole
+    model (--nopipeline_gather, or the chief's memory refused the gather),
+    `predict`, `model(x)` and `evaluate` run the stages as a pipeline across
+    the processes: every worker must make the same calls with the same data
+    (the boundaries and the outputs' return are collectives), and each gets
+    the outputs. Where the chief holds the whole model, they say so on the
+    other workers. `save` needs the whole model in one process: it says how
+    to get it."""
+
+    def __init__(self, model, strategy, task, *, through_stages: bool):
+        self.local_model = model
+        self._strategy, self._task, self._through_stages = strategy, task, through_stages
+
+    @classmethod
+    def of(cls, model, strategy, task) -> "StagesModel":
+        """The `StagesModel` of `model` on this worker of `strategy`, which
+        does not hold the whole model; it says which kind in the log."""
+        through = not strategy.chief_holds_model()
+        logging.info("%s holds its pipeline stages only: RunResult.model is a StagesModel%s",
+                     strategy.describe_process(),
+                     " whose predict and evaluate run the stages as a pipeline (every worker "
+                     "calls them with the same data)" if through else
+                     "; the chief holds the whole trained model (--pipeline_gather)")
+        return cls(model, strategy, task, through_stages=through)
+
+    def __getattr__(self, name):   # weights, get_weights, layers, name, ...: this worker's
+        if name.startswith("__") or name == "local_model":
+            raise AttributeError(name)
+        return getattr(self.local_model, name)
+
+    def _refusal(self, what: str) -> str:
+        where = self._strategy.describe_process()
+        return (f"{what}: RunResult.model on {where} holds its pipeline stages only; the chief "
+                "holds the whole trained model (call it where result.is_chief), or train with "
+                "--nopipeline_gather so that every worker's RunResult.model runs the stages "
+                "as a pipeline")
+
+    def predict(self, x, batch_size: Optional[int] = None, verbose="auto"):
+        """Outputs for host inputs `x` (arrays, or a list/dict of them), as
+        NumPy, through the stages; every worker calls it with the same `x`."""
+        del verbose
+        if not self._through_stages:
+            raise RuntimeError(self._refusal("predict"))
+        return self._strategy.predict_through_stages(x, batch_size or 32)
+
+    def __call__(self, x, training: bool = False):
+        if training:
+            raise ValueError("a pipeline's StagesModel only runs inference; train with "
+                             "tfdist.train")
+        return tf.nest.map_structure(tf.convert_to_tensor, self.predict(x))
+
+    def evaluate(self, x, y, batch_size: Optional[int] = None, sample_weight=None,
+                 return_dict: bool = False, verbose="auto"):
+        """The run's loss and metrics over (x, y), the outputs computed
+        through the stages and scored on the host (as `MeshModel.evaluate`)."""
+        del verbose
+        return scored(self._task, y, self.predict(x, batch_size), sample_weight, return_dict)
+
+    def save(self, path: str, *args, **kwargs):
+        del args, kwargs
+        raise RuntimeError(
+            f"save {path}: a Keras file needs the whole model in one process, and "
+            f"{self._strategy.describe_process()} holds its pipeline stages only; export the "
+            "run's last checkpoint with tfdist-export --model_dir=... on a machine with the "
+            "memory, or train with --pipeline_gather (the chief then holds the whole model)")
+
+
+def scored(task, y, y_pred, sample_weight=None, return_dict: bool = False):
+    """The run's loss and metrics of outputs `y_pred` against `y`, on the
+    host, with the task's own code (training's evaluation)."""
+    n = len(tf.nest.flatten(y)[0])
+    weight = tf.ones([n]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+    real = tf.ones([n])
+    y_pred = tf.nest.map_structure(tf.convert_to_tensor, y_pred)
+    numerator, divisor, _ = task.loss_terms(y, y_pred, weight, real)
+    deltas = task.metric_deltas(y, y_pred, weight)
+    results = task.results(float(numerator), float(divisor), deltas.numpy())
+    return results if return_dict else list(results.values())
 
 
 def padded_batches(x, batch: int):

@@ -11,11 +11,9 @@ import tensorflow as tf
 import tfdist
 from tfdist import checkpointing, models
 
-from common import (IMAGE_SPEC, PREDICTION_TOLERANCE, assert_variables_equal, assert_weights_close,
-                    image_dataset_fn,
-                    run_config)
+from common import (IMAGE_SPEC, PREDICTION_TOLERANCE, PROBE, assert_variables_equal,
+                    assert_weights_close, image_dataset_fn, run_config)
 
-PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).astype(np.float32)
 
 
 def _train(config):

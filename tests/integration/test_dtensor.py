@@ -285,7 +285,7 @@ def test_two_processes_train_what_one_process_trains_on_the_same_mesh(tmp_path):
     for got, want in zip(workers[0], single.model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # Every process's RunResult.model predicts on host data, as one process's does.
-    from mw_worker import PROBE
+    from common import PROBE
     expected = single.model.predict(PROBE, verbose=0)
     for index in (0, 1):
         np.testing.assert_allclose(np.load(tmp_path / f"predictions-{index}.npy"), expected,

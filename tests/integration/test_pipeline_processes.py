@@ -2,6 +2,7 @@
 tfdist-launch cluster of 4 workers (tests/integration/test_pipeline.py has the engine in
 one process, and the tolerance rules)."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -13,7 +14,8 @@ import pytest
 
 from tfdist import models   # (tests/common.py imports tfdist before TensorFlow too)
 
-from common import IMAGE_SPEC, assert_weights_close, mw_config, train_from
+from common import (IMAGE_SPEC, PREDICTION_TOLERANCE, PROBE, assert_weights_close, mw_config,
+                    train_from)
 from test_nonfinite import nan_dataset_fn
 from common import HUB_TOKENS, hub_causal_lm, hub_dataset_fn
 from conftest import BIN, REPO
@@ -154,13 +156,17 @@ def process_runs(tmp_path_factory):
     for k, name in enumerate(PROCESS_RUNS):
         with open(directory / str(k) / "summary-0.json") as f:
             summary = json.load(f)
-        made = []
+        made, stages_model = [], []
         for w in range(4):
             with open(directory / str(k) / f"made-{w}.json") as f:
                 made.append(json.load(f))
+            path = directory / str(k) / f"stages_model-{w}.json"
+            with open(path) if path.exists() else contextlib.nullcontext() as f:
+                stages_model.append(json.load(f) if f else None)
         found[name] = ([list(np.load(directory / str(k) / f"{kind}-{w}.npz").values())
                         for w in range(4) for kind in ("weights", "optimizer")],
-                       initials[name], {**runs[k], "made": made}, summary)
+                       initials[name], {**runs[k], "made": made, "stages_model": stages_model},
+                       summary)
     return found
 
 
@@ -298,6 +304,38 @@ def test_checkpoints_are_merged_from_parts_and_nothing_gathers_the_model(process
     reader = tf.train.load_checkpoint(path)
     slots = [key for key in reader.get_variable_to_shape_map() if "_variables/" in key]
     assert slots and all(reader.get_variable_to_shape_map()[key] for key in slots)
+
+
+def test_where_no_process_holds_the_model_every_worker_predicts_through_the_stages(
+        process_runs):
+    """--nopipeline_gather: every worker's RunResult.model is a StagesModel
+    whose predict runs the stages as a pipeline (batches of 6 rows, the last
+    padded): all four workers get the same outputs, those of the last
+    checkpoint's model in one process. Where the chief gathered the model
+    (the control), its RunResult.model is the plain Keras model, and each
+    other worker's predict says in one line where the model is."""
+    import tensorflow as tf
+    _, _, run, _ = process_runs["2 stages x 2 replicas, checkpoint every 2 steps"]
+    outputs = [np.array(outcome["predictions"]) for outcome in run["stages_model"]]
+    assert outputs[0].shape == (len(PROBE), IMAGE_SPEC.num_classes)
+    for other in outputs[1:]:
+        np.testing.assert_array_equal(other, outputs[0])
+    model = models.build(dataclasses.replace(mw_config("default").model, **run["model"]),
+                         IMAGE_SPEC)
+    tf.train.Checkpoint(model=model).read(
+        os.path.join(run["model_dir"], "checkpoints", "ckpt-4")).expect_partial()
+    np.testing.assert_allclose(outputs[0], model.predict(PROBE, verbose=0),
+                               **PREDICTION_TOLERANCE)
+    for outcome in run["stages_model"]:   # a Keras file needs the whole model: one line
+        assert "\n" not in outcome["save_refusal"]
+        assert "holds its pipeline stages only; export the run's last checkpoint with " \
+            "tfdist-export" in outcome["save_refusal"], outcome["save_refusal"]
+    _, _, gathered, _ = process_runs["the same, resumed at step 4 to step 6, exported"]
+    assert gathered["stages_model"][0] is None   # the chief's whole Keras model
+    for outcome in gathered["stages_model"][1:]:
+        assert "\n" not in outcome["refusal"]
+        assert "holds its pipeline stages only; the chief holds the whole trained model" in \
+            outcome["refusal"], outcome
 
 
 def test_zero1_moves_the_slots_and_changes_no_bit_of_the_training(process_runs):

@@ -45,7 +45,8 @@ BUILT_IN = (
            launch=PS_CLUSTER, synchronous=False, cluster=cluster.check_ps, processes=3),
     Engine("pipeline", "tfdist.strategies.pipeline.engine:PipelineStrategy",
            "the model split into stages over devices or worker processes, micro-batches "
-           "on a GPipe or 1F1B schedule", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY),
+           "on a GPipe, 1F1B or interleaved 1F1B schedule", launch=ONE_OR_WORKERS,
+           cluster=_WORKERS_IF_ANY),
 )
 _REGISTRY = Registry("--strategy", "strategy", {e.name: e for e in BUILT_IN})
 unregister = _REGISTRY.unregister

@@ -313,6 +313,17 @@ class PipelineStages(Capability):
         """Whether every variable's storage is held here."""
         return True
 
+    def chief_holds_model(self) -> bool:
+        """Whether the chief holds every weight of the trained model at the
+        end of training (the same answer in every process)."""
+        return True
+
+    def predict_through_stages(self, x, batch: int):
+        """The model's outputs for host inputs `x` (every process calls this
+        with the same `x`), run through the stages where no process holds
+        the whole model; every process gets them."""
+        raise NotImplementedError
+
     def gather_stages(self, pairs) -> None:
         """Give the chief every variable of `pairs` from its stage's owner."""
         raise NotImplementedError

@@ -53,8 +53,10 @@ micro-batch, as under accumulation; metrics are counted on the last stage.
 The modules: `engine` (`PipelineStrategy`, the adapter: stages, placement,
 checks, reports), `step` (one pipeline replica's items in the traced step),
 `processes` (stages across processes: boundary transfers, the stage's
-gradient sum, holding one stage, gathering and scattering the stages). The
-split and the schedules are `tfdist.pipeline`.
+gradient sum, holding one stage, gathering and scattering the stages),
+`inference` (the forward pass through stages across processes: evaluation,
+and `StagesModel.predict`). The split and the schedules are
+`tfdist.pipeline`.
 
 This module imports no TensorFlow: `PipelineStrategy` loads `engine` on
 first use.

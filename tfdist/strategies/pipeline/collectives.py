@@ -26,6 +26,9 @@ class Transfer:
     GROUP_BASE = 1 << 20      # far above MultiWorkerMirroredStrategy's own keys
     INSTANCE_BASE = 1 << 20
     EVAL_INSTANCE_BASE = INSTANCE_BASE + (1 << 15)   # `PipelineStrategy.forward`'s
+    # `predict_through_stages`': one instance per batch size (TensorFlow keeps
+    # a collective instance's shape for the life of the process)
+    PREDICT_INSTANCE_BASE = EVAL_INSTANCE_BASE + (1 << 14)
     # `gather_stages`: a group of worker 0 and worker w (the first of a stage's
     # workers holding a tensor: its replica 0, or under ZeRO-1 a slot's replica)
     GATHER_GROUP_BASE = GROUP_BASE + (1 << 17)
@@ -148,6 +151,24 @@ class StageGroup:
             timeout_seconds=float(self._strategy.config.collective_timeout_s))
         parts = tf.split(summed, [t.shape.num_elements() for t in tensors])
         return [tf.cast(tf.reshape(part, t.shape), dtype) for part, t in zip(parts, tensors)]
+
+
+class EveryWorker(StageGroup):
+    """All N workers as one group of explicit keys (`predict_through_stages`
+    returns the last stage's outputs to every worker through it): the
+    strategy's own all-reduce takes its instance keys from a per-process
+    count of what each worker traced, which agree only while every worker
+    traces the same functions in the same order; after training, user code
+    decides what each worker traces."""
+
+    GROUP_BASE = StageGroup.GROUP_BASE + (1 << 14)   # beside the stage groups' keys
+
+    def __init__(self, strategy: PipelineStrategy):
+        super().__init__(strategy)
+        self.size, self.key = strategy._num_workers, self.GROUP_BASE
+
+    def sum(self, tensors, instance_key: int) -> list:
+        return self._sum(tensors, instance_key)
 
 
 class SharedGroup(StageGroup):

@@ -20,10 +20,12 @@ from tfdist.pipeline import stages as stages_lib
 from tfdist.strategies.capabilities import LocalGradients, PipelineStages, ZeroStages
 from tfdist.strategies.multi_worker.engine import MultiWorkerStrategy
 from tfdist.strategies.pipeline import step
+from tfdist.strategies.pipeline.inference import StagesInference
 from tfdist.strategies.pipeline.processes import StagesAcrossProcesses
 
 
-class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStages, ZeroStages):
+class PipelineStrategy(StagesAcrossProcesses, StagesInference, MultiWorkerStrategy,
+                       PipelineStages, ZeroStages):
     """S stages (x R pipeline replicas) over the local devices, or over the
     processes of a cluster (one stage per process)."""
 
@@ -32,6 +34,7 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
     # step: no per-replica compression or local SGD (fp16/bf16 casts work).
     replica_local_state = False
     _timeline = None   # TFDIST_PIPELINE_TIMELINE's recording (`_prepare_timeline`)
+    chunks = 1         # --pipeline_chunks: the stages each device (process) runs
     supports_xla = False
     supports_xla_reason = ("a pipeline's stages run on different devices, and one XLA "
                            "cluster cannot span devices")
@@ -51,6 +54,7 @@ class PipelineStrategy(StagesAcrossProcesses, MultiWorkerStrategy, PipelineStage
         self._timeline = None
         self._stages_of = {}         # id(variable) -> the stages holding it (first: its owner)
         self._released = set()       # ids of variables whose storage is freed here
+        self._predict_steps = {}     # `predict_through_stages`' traced batch, by batch size
         self._transfers = {}         # traced `gather_stages`/`scatter_stages`, by content
         spec = cluster.resolve(config.worker_hosts, config.task_index)
         self.processes = spec is not None and spec.num_workers > 1

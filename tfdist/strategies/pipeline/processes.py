@@ -34,6 +34,7 @@ class StagesAcrossProcesses:
     zero_stages = (1,)    # ZeRO-1: a stage's optimizer slots split over its replicas
     _slots_here = frozenset()   # ids of the variables whose slots this worker holds
     _slot_replica = None  # under ZeRO-1: {(stage, id(variable)): the replica holding its slots}
+    _gathered_weights = False   # the chief took every stage's weights at the end
 
     # -- building only this process's stages ------------------------------------
     def scope(self):
@@ -213,6 +214,13 @@ class StagesAcrossProcesses:
                                 refusal)
             return
         self.gather_stages(weights)
+        self._gathered_weights = True
+
+    def chief_holds_model(self) -> bool:
+        """Whether the chief holds every weight of the trained model (it
+        gathered them at the end, or at the last checkpoint); the same answer
+        on every worker."""
+        return self._gathered_at is not None or self._gathered_weights
 
     def _gather_refusal(self, weights):
         """Why the chief cannot take the other stages' `weights`, or None:
@@ -455,32 +463,6 @@ class StagesAcrossProcesses:
         value = tf.raw_ops.CollectiveBcastRecvV2(
             shape=tf.constant([int(d) for d in variable.shape], tf.int32), T=wire, **keys)
         return [compat.set_storage(component, value) for component in self._components(variable)]
-
-    def forward(self, x, y):
-        """This worker's stages of the evaluation forward pass of one batch,
-        in model order: (the model's output, []) where it runs the last
-        stage, else (None, [the sends to the next stages]). Stage 0 reads
-        `x`, the others receive their neighbour's output (or take it here);
-        `y` gives the batch's rows."""
-        transfer = Transfer(self, self.replica, tf.shape(tf.nest.flatten(y)[0])[0],
-                            instance_base=Transfer.EVAL_INSTANCE_BASE)
-        out, sends = None, []
-        for stage in self.local_stages:
-            with tf.name_scope(f"stage{stage}_E0"):
-                if stage == 0:
-                    source = x
-                elif stage - 1 not in self.local_stages:
-                    source = transfer.receive_activation(stage, 0)
-                else:
-                    source = out
-                out = self._stage_models[stage](None if stage == 0 else source, x,
-                                                training=False)
-                if stage + 1 < self.num_stages and stage + 1 not in self.local_stages:
-                    sends.append(transfer.send_activation(stage, 0, out))
-        if self.num_stages - 1 not in self.local_stages:
-            return None, sends
-        with tf.control_dependencies(sends):   # the output, once this worker's sends ran
-            return tf.nest.map_structure(tf.identity, out), []
 
     def state_share(self, variable, value):
         """Across processes, the R workers of `variable`'s stage hold its
