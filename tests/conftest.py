@@ -161,7 +161,8 @@ def tfds_dir(tmp_path_factory):
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: a real training run (tests/integration/: "
                                        "an engine in this process or real processes)")
-    config.addinivalue_line("markers", "slow: a long run (accuracy, XLA compiles)")
+    config.addinivalue_line("markers", "slow: a long run (accuracy, XLA compiles, capped memory "
+                            "proofs): `make slow` runs these, `make test` the others")
 
 
 # -- the Horovod build beside the suite (tests/run_suite.sh) ----------------------

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# run_suite.sh VENV - what `make test` runs once the venv is installed.
+# run_suite.sh VENV - what `make test` runs once the venv is installed:
+# every test but those marked slow (`make slow` runs those).
 #
 # One pytest run over every test, two xdist workers (--dist loadfile: a file's
 # tests share one process, so module-scoped clusters are shared), while the
@@ -22,7 +23,8 @@ start=$(date +%s)
   echo "$code $(( $(date +%s) - start ))" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS" ) &
 build=$!
 TFDIST_REQUIRE_HOROVOD=1 TFDIST_HOROVOD_BUILD_STATUS=$STATUS TFDIST_HOROVOD_BUILD_LOG=$LOG \
-  "$BIN/python" -m pytest -q -n 2 --dist loadfile --durations=15 -p no:cacheprovider --ignore=tests/docs tests
+  "$BIN/python" -m pytest -q -n 2 --dist loadfile --durations=15 -p no:cacheprovider -m "not slow" \
+  --ignore=tests/docs tests
 status=$?
 wait "$build"
 suite=$(( $(date +%s) - start ))

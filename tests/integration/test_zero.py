@@ -59,6 +59,7 @@ MESH = "batch:2,model:1"
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # three capped clusters and their references (~105 s)
 def test_two_capped_processes_train_what_one_capped_process_cannot(tmp_path):
     results = fits.prove(str(tmp_path), WIDTH, DEPTH, CAP, [MESH], steps=2,
                          timeout=400, log=lambda line: None, pipelines=["2x1"],
