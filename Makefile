@@ -61,8 +61,9 @@ test: $(STAMP) iproute2
 	@tests/run_suite.sh $(VENV)
 
 # The tests marked slow (pytest -m slow: accuracy runs, XLA compiles, the
-# transformer's sharded cases, the capped memory proofs), which `make test`
-# leaves out to keep its budget; CI runs both. About 2.5 minutes here.
+# transformer's sharded cases, the capped memory proofs, the shaped slow
+# link), which `make test` leaves out to keep its budget; CI runs both.
+# About 3 minutes here.
 slow: $(STAMP) iproute2
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10 -p no:cacheprovider -m slow \
 	    --ignore=tests/docs tests

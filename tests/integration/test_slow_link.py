@@ -53,7 +53,9 @@ COMPRESSIONS = {"none": ["--grad_compression=none"], "bf16": ["--grad_compressio
 
 _WHY = netns.why_not(PREFIX) or netns.why_no_qdisc(
     PREFIX, "tbf", "rate", RATE, "burst", "65536", "latency", "100ms")
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
+# slow: three shaped cluster runs (~50 s) for what only the benchmark relies on
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
 
 
 @pytest.fixture(scope="module")
