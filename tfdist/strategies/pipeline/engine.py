@@ -27,7 +27,8 @@ from tfdist.strategies.pipeline.processes import StagesAcrossProcesses
 class PipelineStrategy(StagesAcrossProcesses, StagesInference, MultiWorkerStrategy,
                        PipelineStages, ZeroStages):
     """S stages (x R pipeline replicas) over the local devices, or over the
-    processes of a cluster (one stage per process)."""
+    processes of a cluster (one stage per process); with --pipeline_chunks=v,
+    S x v stages, v of them on each device or process."""
 
     name = "pipeline"
     # Each stage's gradients are reduced among its replicas in the stage's own
