@@ -6,8 +6,9 @@
 
 `--stages S` runs S stage processes (default 2; more than the cores measures
 memory, not speed). `--zero1` instead runs S x 2 workers (two pipeline replicas
-of each stage) without and with `--zero_stage=1` and prints each worker's peak
-memory beside its stage's Adam slots (ZeRO-1 keeps half of them per worker). Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
+of each stage) without and with `--zero_stage=1`, then the same model as
+`multi_worker` over S x 2 processes, and prints each worker's peak memory
+beside its stage's Adam slots (ZeRO-1 keeps half of them per worker). Runs, one after the other, on the bundled mlp (synthetic tfdist_shapes images,
 Adam, float32, no XLA: the pipeline cannot use it):
 
 - `default`: plain `--strategy=default`, one process using both cores (the
@@ -41,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,34 +60,58 @@ def _free_port() -> int:
 def pipeline_run(args, microbatches: int, kind: str, timeline: str, replicas: int = 1,
                  extra: tuple = (), chunks: int = 1) -> dict:
     """S x `replicas` stage processes; worker 0's (the chief's) run summary."""
-    ports = [_free_port() for _ in range(args.stages * replicas)]
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
     command = [TRAIN, "--strategy=pipeline", f"--pipeline_stages={args.stages}",
                f"--microbatches={microbatches}", f"--pipeline_schedule={kind}",
                f"--pipeline_chunks={chunks}", *model_flags(args), *extra]
-    procs = []
-    for k in range(args.stages * replicas):
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-               "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker",
-                                                                    "index": k}}),
-               "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": str(args.interop),
-               "TFDIST_PIPELINE_TIMELINE": timeline}
+    return run_cluster(args, command, args.stages * replicas,
+                       {"TFDIST_PIPELINE_TIMELINE": timeline})[0]
+
+
+def run_cluster(args, command: list, workers: int, env: dict = None) -> tuple:
+    """`workers` processes of `command` in one TF_CONFIG cluster, process k
+    pinned to core k mod the cores (--pin), one intra-op and --interop
+    inter-op threads each: (the chief's run summary, each process's peak
+    resident bytes, from the kernel's accounting when it is reaped)."""
+    ports = [_free_port() for _ in range(workers)]
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs, logs = [], []
+    for k in range(workers):
+        environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {}),
+                   "TF_CONFIG": json.dumps({"cluster": cluster,
+                                            "task": {"type": "worker", "index": k}}),
+                   "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": str(args.interop)}
         pin = ["taskset", "-c", str(k % os.cpu_count())] if args.pin else []
-        procs.append(subprocess.Popen([*pin, *command], cwd=REPO, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = []
+        logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+        procs.append(subprocess.Popen([*pin, *command], cwd=REPO, env=environ, text=True,
+                                      stdout=logs[-1][0], stderr=logs[-1][1]))
+    codes, peaks = [None] * workers, [0] * workers
+    deadline = time.monotonic() + args.timeout
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=args.timeout))
+        while None in codes:   # poll each process; wait4 gives its peak
+            for k, proc in enumerate(procs):
+                if codes[k] is None:
+                    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                    if pid:
+                        codes[k] = proc.returncode = os.waitstatus_to_exitcode(status)
+                        peaks[k] = usage.ru_maxrss * 1024
+            if time.monotonic() > deadline:
+                sys.exit(f"the cluster ran past --timeout={args.timeout}")
+            time.sleep(0.2)
     finally:
-        for proc in procs:
-            proc.kill()
-    for proc, (_, err) in zip(procs, outputs):
-        if proc.returncode:
-            sys.exit(f"a stage process failed:\n{err[-3000:]}")
-    for line in reversed(outputs[0][0].splitlines()):
+        for proc, code in zip(procs, codes):
+            if code is None:
+                proc.kill()
+    texts = []
+    for out, err in logs:
+        out.seek(0)
+        err.seek(0)
+        texts.append((out.read(), err.read()))
+    for code, (_, err) in zip(codes, texts):
+        if code:
+            sys.exit(f"a cluster process failed:\n{err[-3000:]}")
+    for line in reversed(texts[0][0].splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            return json.loads(line), peaks
     sys.exit("no run summary from the chief")
 
 
@@ -99,6 +125,9 @@ def zero1_rows(args, scratch: str) -> list:
         run = pipeline_run(args, args.microbatches, "1f1b", prefix, replicas=2,
                            extra=(f"--zero_stage={zero}",))
         runs[zero] = (run, read_timeline(prefix, 2 * args.stages)[1])
+    # the same model and batch as plain data parallelism over as many processes
+    data_parallel = run_cluster(args, [TRAIN, "--strategy=multi_worker", "--jit_compile=off",
+                                       *model_flags(args)], 2 * args.stages)[1]
     rows = []
     for k in range(2 * args.stages):
         stage = k % args.stages
@@ -106,7 +135,7 @@ def zero1_rows(args, scratch: str) -> list:
         plain, zero = runs[0][1][k] / 2**20, runs[1][1][k] / 2**20
         rows.append([f"worker {k}: stage {stage}, replica {k // args.stages}",
                      f"{slots / 2**20:.0f}", f"{plain:.0f}", f"{zero:.0f}",
-                     f"{plain - zero:.0f}",
+                     f"{plain - zero:.0f}", f"{data_parallel[k] / 2**20:.0f}",
                      f"{runs[0][0]['examples_per_sec']:.0f} / {runs[1][0]['examples_per_sec']:.0f}"
                      if k == 0 else ""])
     return rows
@@ -191,7 +220,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--zero1", action="store_true",
                         help="instead: S x 2 workers without and with --zero_stage=1 (each "
-                             "stage's Adam slots split over its 2 replicas): each worker's "
+                             "stage's Adam slots split over its 2 replicas), and the same "
+                             "model as multi_worker over S x 2 processes: each process's "
                              "peak memory (on 2 cores this measures memory, not speed)")
     args = parser.parse_args()
     print(hardware_header(), flush=True)
@@ -199,7 +229,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             rows = zero1_rows(args, scratch)
         print(table(rows, ["worker", "its stage's Adam slots MiB", "peak MiB, ZeRO-1 off",
-                           "on", "saved MiB", "ex/s off / on"]))
+                           "on", "saved MiB", f"{2 * args.stages}-way multi_worker MiB",
+                           "ex/s off / on"]))
         return
     m = args.microbatches
     rows, timelines = [], {}
