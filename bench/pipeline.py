@@ -67,11 +67,14 @@ def pipeline_run(args, microbatches: int, kind: str, timeline: str, replicas: in
                        {"TFDIST_PIPELINE_TIMELINE": timeline})[0]
 
 
-def run_cluster(args, command: list, workers: int, env: dict = None) -> tuple:
+def run_cluster(args, command: list, workers: int, env: dict = None,
+                check: bool = True) -> tuple:
     """`workers` processes of `command` in one TF_CONFIG cluster, process k
     pinned to core k mod the cores (--pin), one intra-op and --interop
     inter-op threads each: (the chief's run summary, each process's peak
-    resident bytes, from the kernel's accounting when it is reaped)."""
+    resident bytes, from the kernel's accounting when it is reaped, each
+    process's exit status). With `check`, a failed process ends the
+    benchmark; without, the summary is None where the run failed."""
     ports = [_free_port() for _ in range(workers)]
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     procs, logs = [], []
@@ -107,12 +110,14 @@ def run_cluster(args, command: list, workers: int, env: dict = None) -> tuple:
         err.seek(0)
         texts.append((out.read(), err.read()))
     for code, (_, err) in zip(codes, texts):
-        if code:
+        if code and check:
             sys.exit(f"a cluster process failed:\n{err[-3000:]}")
     for line in reversed(texts[0][0].splitlines()):
-        if line.startswith("{"):
-            return json.loads(line), peaks
-    sys.exit("no run summary from the chief")
+        if line.startswith("{") and not any(codes):
+            return json.loads(line), peaks, codes
+    if check:
+        sys.exit("no run summary from the chief")
+    return None, peaks, codes
 
 
 def zero1_rows(args, scratch: str) -> list:
@@ -126,8 +131,11 @@ def zero1_rows(args, scratch: str) -> list:
                            extra=(f"--zero_stage={zero}",))
         runs[zero] = (run, read_timeline(prefix, 2 * args.stages)[1])
     # the same model and batch as plain data parallelism over as many processes
-    data_parallel = run_cluster(args, [TRAIN, "--strategy=multi_worker", "--jit_compile=off",
-                                       *model_flags(args)], 2 * args.stages)[1]
+    _, data_parallel, codes = run_cluster(
+        args, [TRAIN, "--strategy=multi_worker", "--jit_compile=off", *model_flags(args)],
+        2 * args.stages, check=False)
+    ended = [f" (killed by signal {-c})" if c < 0 else f" (exit {c})" if c else ""
+             for c in codes]
     rows = []
     for k in range(2 * args.stages):
         stage = k % args.stages
@@ -135,7 +143,7 @@ def zero1_rows(args, scratch: str) -> list:
         plain, zero = runs[0][1][k] / 2**20, runs[1][1][k] / 2**20
         rows.append([f"worker {k}: stage {stage}, replica {k // args.stages}",
                      f"{slots / 2**20:.0f}", f"{plain:.0f}", f"{zero:.0f}",
-                     f"{plain - zero:.0f}", f"{data_parallel[k] / 2**20:.0f}",
+                     f"{plain - zero:.0f}", f"{data_parallel[k] / 2**20:.0f}{ended[k]}",
                      f"{runs[0][0]['examples_per_sec']:.0f} / {runs[1][0]['examples_per_sec']:.0f}"
                      if k == 0 else ""])
     return rows
