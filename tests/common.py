@@ -188,12 +188,13 @@ def hub_dataset_fn(split, context):
     return shard(tf.data.Dataset.from_tensor_slices((features, seq[:, 1:])), context)
 
 
-def hub_causal_lm(kind):
-    """A tiny keras-hub CausalLM of `kind`, its token embedding tied (used
-    for the input and, reversed, for the logits)."""
+def hub_causal_lm(kind, num_layers: int = 1):
+    """A tiny keras-hub CausalLM of `kind` (with `num_layers` decoder
+    blocks), its token embedding tied (used for the input and, reversed, for
+    the logits)."""
     import pytest
     keras_hub = pytest.importorskip("keras_hub")
-    vocab, common = HUB_TOKENS.num_classes, dict(num_layers=1, hidden_dim=16,
+    vocab, common = HUB_TOKENS.num_classes, dict(num_layers=num_layers, hidden_dim=16,
                                                  intermediate_dim=32)
     if kind == "llama":
         backbone = keras_hub.models.LlamaBackbone(

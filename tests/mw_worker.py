@@ -10,7 +10,7 @@ the initial weights + 0.05k (only the chief's broadcast makes them agree; under
 the pipeline, replica r's workers from + 0.05r: each stage's replicas take its
 first worker's weights); "task" names
 a case of test_tasks.CASES: its model, data, loss and metrics; "hub" names a
-keras-hub CausalLM of test_pipeline (its data too); "whole_build": true gives a
+keras-hub CausalLM of test_pipeline (its data too), or is [name, decoder blocks]; "whole_build": true gives a
 model_fn that fails unless variables have storage (a pipeline then builds the
 model whole); "nan": true feeds
 test_nonfinite's data, whose step NAN_STEP has a NaN loss), writes
@@ -153,8 +153,8 @@ def _train(config, initial, task, hub, nan, whole):
         import tfdist
         from common import HUB_TOKENS, hub_causal_lm, hub_dataset_fn
 
-        def model_fn(spec):
-            model = hub_causal_lm(hub)
+        def model_fn(spec):   # "hub": a kind, or [kind, decoder blocks]
+            model = hub_causal_lm(*([hub] if isinstance(hub, str) else hub))
             model.set_weights(initial)
             return model
 

@@ -80,13 +80,15 @@ PROCESS_RUNS = {
     # --on_nonfinite=rollback: step 7's loss is NaN (tests/integration/test_nonfinite.py's
     # data); every worker restores its part of the step-4 checkpoint in
     # place and goes on past the batch, as one device does.
-    # keras-hub's Gemma: its tied token embedding is on both stages (the
-    # tokens' embedding on stage 0, the logits on stage 1); its gradients are
-    # summed over all 4 workers, the others' over each stage's 2.
-    # Clipped by the whole model's norm, the shared weight counted once.
-    "keras-hub gemma, 2 stages x 2 replicas": {
-        "strategy": {"pipeline_stages": 2}, "hub": "gemma", "accum_steps": 2,
-        "steps_per_loop": 2, "optimizer": {"clip_grad_norm": 0.5}},
+    # keras-hub's Gemma (3 decoder blocks), interleaved: 4 stages, 2 per
+    # worker of each replica; its tied token embedding is on the first and
+    # the last (the tokens' embedding on stage 0, the logits on stage 3, on
+    # the replica's two workers); its gradients are summed over all 4
+    # workers, the others' over each stage's 2. Clipped by the whole model's
+    # norm, the shared weight counted once.
+    "keras-hub gemma, 2 stages x 2 chunks x 2 replicas": {
+        "strategy": {"pipeline_stages": 2, "pipeline_chunks": 2}, "hub": ["gemma", 3],
+        "accum_steps": 2, "steps_per_loop": 2, "optimizer": {"clip_grad_norm": 0.5}},
     # Under --zero_stage=1 too: each of a stage's 2 replicas holds the Adam
     # slots of its half of the stage's variables, writes them into the
     # checkpoint and reads them back.
@@ -126,7 +128,7 @@ def process_runs(tmp_path_factory):
         if "hub" in overrides:
             import keras
             keras.utils.set_random_seed(5)
-            initials[name] = hub_causal_lm(overrides["hub"]).get_weights()
+            initials[name] = hub_causal_lm(*overrides["hub"]).get_weights()
         elif "initial_of" in overrides:   # the same initial weights as that run
             initials[name] = initials[overrides["initial_of"]]
         else:
@@ -408,28 +410,31 @@ def _slots_split_between_replicas(held, weights, total, stages):
 
 
 def test_a_layer_shared_by_two_stages_stays_one_across_processes(process_runs):
-    """keras-hub's Gemma on 2 stages x 2 replicas: every worker of both
-    stages holds the tied token embedding and ends with the same values (its
-    gradients summed over the 4 workers), the other weights are held by their
-    stage only, and the chief's model equals the same micro-batches
-    accumulated on one device."""
+    """keras-hub's Gemma on 2 stages x 2 chunks x 2 replicas (interleaved):
+    every worker holds the tied token embedding (stage 0's on the first
+    worker of a replica, stage 3's on the second) and ends with the same
+    values (its gradients summed over the 4 workers), the other weights are
+    held by their stages only, and the chief's model equals the same
+    micro-batches accumulated on one device."""
     import tfdist
-    saved, initial, run, summary = process_runs["keras-hub gemma, 2 stages x 2 replicas"]
+    saved, initial, run, summary = process_runs[
+        "keras-hub gemma, 2 stages x 2 chunks x 2 replicas"]
     workers = saved[0::2]
     assert summary["grad_norm"] > 0.5   # the clip bites
-    assert summary["stage_layers"][0][0] == summary["stage_layers"][1][-1] == "token_embedding"
+    assert summary["stage_layers"][0][0] == summary["stage_layers"][3][-1] == "token_embedding"
     embedding = 0   # the first weight: token_embedding/embeddings
     assert workers[0][embedding].shape == initial[embedding].shape
     for w in range(1, 4):
         np.testing.assert_array_equal(workers[w][embedding], workers[0][embedding])
-    # Worker 2 runs stage 0 (of replica 1), worker 1 stage 1: each holds its
-    # stage's weights only (the others freed: empty); the embedding is on both.
+    # Worker 2 runs stages 0 and 2 (of replica 1), worker 1 stages 1 and 3:
+    # each holds its stages' weights only (the others freed: empty); the
+    # embedding is on both.
     held = [{k for k, a in enumerate(workers[w]) if a.size} for w in (2, 1)]
     assert held[0] | held[1] == set(range(len(initial)))
     assert held[0] & held[1] == {embedding}, held
 
     def model_fn(spec):
-        model = hub_causal_lm("gemma")
+        model = hub_causal_lm(*run["hub"])
         model.set_weights(initial)
         return model
 
