@@ -89,18 +89,12 @@ def build_order(plan: list) -> list:
     position = [0] * len(plan)
     done = set()
     order = []
-
-    def ready(s, kind, i):
-        if kind == "F":
-            return s == 0 or (s - 1, "F", i) in done
-        return (s, "F", i) in done and (s == last or (s + 1, "B", i) in done)
-
     while any(position[d] < len(plan[d]) for d in range(len(plan))):
         progressed = False
         for d, items in enumerate(plan):
             if position[d] >= len(items):
                 continue
-            if ready(*items[position[d]]):
+            if all(n in done for n in _inputs(*items[position[d]], last)):
                 order.append(items[position[d]])
                 done.add(items[position[d]])
                 position[d] += 1
@@ -108,6 +102,14 @@ def build_order(plan: list) -> list:
         if not progressed:
             raise ValueError(f"pipeline schedule deadlocks: {plan}")
     return order
+
+
+def _inputs(s: int, kind: str, i: int, last: int) -> list:
+    """The items whose outputs item (s, kind, i) takes: F(s, i) takes
+    F(s-1, i); B(s, i) takes F(s, i) and B(s+1, i)."""
+    if kind == "F":
+        return [(s - 1, "F", i)] if s else []
+    return [(s, "F", i)] + ([(s + 1, "B", i)] if s < last else [])
 
 
 def peak_in_flight(plan: list) -> list:
@@ -140,10 +142,8 @@ def simulated_bubble(plan: list, forward: float = 1.0, backward: float = 2.0) ->
     ended, free, busy = {}, [0.0] * len(plan), 0.0
     for s, kind, i in build_order(plan):   # each device's items in its own order
         d = s % len(plan)
-        needs = [(s - 1, "F", i)] if kind == "F" and s else []
-        if kind == "B":
-            needs += [(s, "F", i)] + ([(s + 1, "B", i)] if s < last else [])
         took = (forward if kind == "F" else backward) / chunks
-        ended[(s, kind, i)] = free[d] = max([free[d]] + [ended[n] for n in needs]) + took
+        ended[(s, kind, i)] = free[d] = max(
+            [free[d]] + [ended[n] for n in _inputs(s, kind, i, last)]) + took
         busy += took
     return 1 - busy / (len(plan) * max(ended.values()))

@@ -81,17 +81,19 @@ class PipelineStrategy(StagesAcrossProcesses, StagesInference, MultiWorkerStrate
         self.pipeline_replicas = self._num_workers // positions
         self.position = self._worker_index % positions
         self.replica = self._worker_index // positions
-        self.local_stages = list(range(self.position, self.num_stages, positions))
+        self.local_stages = self.stages_on(self.position)
         self.devices = list(strategy.extended.worker_devices[:1])
         return strategy
+
+    def stages_on(self, position: int) -> list:
+        """The stages a pipeline replica's device (process) `position` runs:
+        position, position + S, ... (one unless --pipeline_chunks)."""
+        return list(range(position, self.num_stages, self.positions))
 
     def worker_of(self, stage: int, replica: int) -> int:
         """Across processes, the worker running `stage` of pipeline replica
         `replica`; in one process, the index of its device."""
         return replica * self.positions + stage % self.positions
-
-    def _stages_here(self) -> str:
-        return ", ".join(map(str, self.local_stages))
 
     @property
     def num_replicas(self) -> int:
@@ -110,7 +112,7 @@ class PipelineStrategy(StagesAcrossProcesses, StagesInference, MultiWorkerStrate
             return (f"pipeline: {self._shape()} x {self.pipeline_replicas} pipeline "
                     f"replica(s) over {self._num_workers} workers, {self._schedule()} "
                     f"schedule{zero}; this is {self.worker_name(self._worker_index)}: "
-                    f"stage{'s' if self.chunks > 1 else ''} {self._stages_here()} of replica "
+                    f"{self._stages_of_worker(self._worker_index)} of replica "
                     f"{self.replica}{' (chief)' if self.is_chief else ''}")
         groups = [", ".join(self.devices[r * self.positions:(r + 1) * self.positions])
                   for r in range(self.pipeline_replicas)]
@@ -308,7 +310,7 @@ class PipelineStrategy(StagesAcrossProcesses, StagesInference, MultiWorkerStrate
                 lines.append(f"stage {d} on {self.stage_device(d)}: at most {in_flight[d]} of "
                              f"{m} micro-batches' activations held at once ({self._schedule()})")
                 continue
-            lines.append(f"stages {', '.join(map(str, range(d, self.num_stages, self.positions)))}"
+            lines.append(f"stages {', '.join(map(str, self.stages_on(d)))}"
                          f" on {self.stage_device(d)}: at most {in_flight[d]} of "
                          f"{m * self.chunks} (stage, micro-batch) activations held at once "
                          f"({self._schedule()})")
@@ -354,7 +356,8 @@ class PipelineStrategy(StagesAcrossProcesses, StagesInference, MultiWorkerStrate
         return f"pipeline: {type(error).__name__}: {first_line(error)}"
 
     def _stages_of_worker(self, worker: int) -> str:
-        stages = list(range(worker % self.positions, self.num_stages, self.positions))
+        """ "stage 1", or "stages 1, 3" with chunks: what `worker` runs."""
+        stages = self.stages_on(worker % self.positions)
         return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
 
     # -- the step ----------------------------------------------------------------

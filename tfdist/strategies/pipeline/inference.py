@@ -63,13 +63,14 @@ class StagesInference:
         out, sends = self.forward(inputs, inputs, instance_base)
         spec = self._stage_outputs[self.num_stages - 1]
         rows = tf.shape(tf.nest.flatten(inputs)[0])[0]
+        # (`forward` returns no sends where it returns the output: they are
+        # its control dependencies.)
         if out is None or self.replica:   # zeros, once this worker's stages have run
             ran = sends + (tf.nest.flatten(out) if out is not None else [])
             with tf.control_dependencies(ran):
                 out = tf.nest.map_structure(lambda s: tf.zeros(
                     tf.concat([[rows], tf.constant(s.shape[1:], tf.int32)], 0), s.dtype), spec)
-        with tf.control_dependencies(sends):   # (a cast to its own dtype is no op to hold them)
-            wire = [tf.identity(tf.cast(t, tf.float32)) for t in tf.nest.flatten(out)]
+        wire = [tf.cast(t, tf.float32) for t in tf.nest.flatten(out)]
         summed = EveryWorker(self).sum(wire, instance_base + 1)
         return tf.nest.pack_sequence_as(spec, [tf.cast(t, s.dtype) for t, s in
                                                zip(summed, tf.nest.flatten(spec))])
