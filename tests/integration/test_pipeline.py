@@ -169,6 +169,10 @@ def test_schedules_bound_the_micro_batches_in_flight():
         # equal-time items reach the ideal bubble exactly: the formula is the schedule's
         assert schedule.simulated_bubble(plan) == pytest.approx(
             schedule.bubble(devices, m, chunks))
+    # the control: one micro-batch through every stage and back before the
+    # next (a valid order, no overlap) idles far more than the formula
+    serial = [[(d, kind, i) for i in range(8) for kind in "FB"] for d in range(2)]
+    assert schedule.simulated_bubble(serial) > 2 * schedule.bubble(2, 8)
     assert schedule.bubble(2, 8) == pytest.approx(1 / 9)
     assert schedule.bubble(2, 8, 2) == pytest.approx(1 / 17)
     with pytest.raises(ValueError, match="groups of the devices"):
