@@ -125,9 +125,11 @@ def compare(got_dir, want_dir, start_dir):
 
 
 def prove(work, width, depth, cap, meshes, steps, timeout, log=print, pipelines=(),
-          export=True):
+          export=True, keep=True):
     """The whole procedure; returns its results (see the module doc).
-    `export`: whether each pipeline's checkpoint is then exported."""
+    `export`: whether each pipeline's checkpoint is then exported; `keep`:
+    whether each capped run's directory stays once compared (each adds about
+    the model's state with Adam to the disk)."""
     results = {"width": width, "depth": depth, "cap": cap}
     rc, line, summaries, seconds = launch(work, "reference", 1, None, "batch:1,model:1", 0,
                                           width, depth, steps, timeout,
@@ -147,17 +149,18 @@ def prove(work, width, depth, cap, meshes, steps, timeout, log=print, pipelines=
             processes *= int(axis.split(":")[1])
         results[mesh] = _capped(work, "stage3_" + mesh.replace(":", "").replace(",", "_"),
                                 f"{processes} processes, stage 3, {mesh}", processes, cap,
-                                mesh, 3, width, depth, steps, timeout, log)
+                                mesh, 3, width, depth, steps, timeout, log, keep)
     for layout in pipelines:
         results[f"pipeline {layout}"] = _pipeline(work, layout, width, depth, cap, steps,
-                                                  timeout, log, export)
+                                                  timeout, log, export, keep)
     return results
 
 
 def _capped(work, name, title, processes, cap, mesh, stage, width, depth, steps, timeout, log,
-            strategy="dtensor") -> dict:
+            keep=True, strategy="dtensor") -> dict:
     """One run of `processes` under the cap from the snapshot, compared with
-    the reference's weights; logged as `title`."""
+    the reference's weights; logged as `title`; its directory removed once
+    it succeeded unless `keep`."""
     rc, line, summaries, seconds = launch(work, name, processes, cap, mesh, stage, width, depth,
                                           steps, timeout, strategy=strategy)
     entry = dict(rc=rc, line=line, seconds=seconds,
@@ -167,6 +170,8 @@ def _capped(work, name, title, processes, cap, mesh, stage, width, depth, steps,
         entry["largest"], entry["outside"], entry["elements"], entry["moved"] = compare(
             os.path.join(work, name, "model"), os.path.join(work, "reference", "model"),
             os.path.join(work, "snapshot"))
+    if rc == 0 and not keep:   # a failed run's log stays
+        shutil.rmtree(os.path.join(work, name))
     log(f"{title}, each under {cap}: exit {rc} after {seconds:.0f} s"
         + (f", peaks {', '.join(f'{p / 2**30:.2f}' for p in entry['peaks'])} GiB, loss "
            f"{entry['loss']:.6f}, weights vs reference: largest difference "
@@ -176,14 +181,15 @@ def _capped(work, name, title, processes, cap, mesh, stage, width, depth, steps,
     return entry
 
 
-def _pipeline(work, layout, width, depth, cap, steps, timeout, log, export=True) -> dict:
+def _pipeline(work, layout, width, depth, cap, steps, timeout, log, export=True,
+              keep=True) -> dict:
     """One pipeline S x R under the cap from the snapshot (`_capped`), then
     its final checkpoint (written in parts) exported by tfdist-export, uncapped."""
     stages, replicas = (int(n) for n in layout.split("x"))
     name, zero = f"pipeline_{layout}", " --zero_stage=1" if replicas > 1 else ""
     entry = _capped(work, name, f"pipeline {layout}{zero}, {stages * replicas} processes",
                     stages * replicas, cap, str(stages), int(replicas > 1), width, depth,
-                    steps, timeout, log, strategy="pipeline")
+                    steps, timeout, log, keep=keep or export, strategy="pipeline")
     if entry["rc"] != 0 or not export:
         return entry
     start = time.monotonic()
@@ -196,6 +202,8 @@ def _pipeline(work, layout, width, depth, cap, steps, timeout, log, export=True)
                            line=(exported.stderr.strip().splitlines() or [""])[-1])
     log(f"pipeline {layout}: tfdist-export of its checkpoint, uncapped: exit "
         f"{exported.returncode} after {entry['export']['seconds']:.0f} s")
+    if not keep:
+        shutil.rmtree(os.path.join(work, name))
     return entry
 
 
