@@ -26,19 +26,22 @@ _WORKERS_IF_ANY = functools.partial(cluster.check_workers, required=False)
 REFERENCE = "default"   # the engine every other is compared with (tfdist-compare)
 BUILT_IN = (
     Engine("default", "tfdist.strategies.default:DefaultStrategy",
-           "one device: the reference every other engine is compared with"),
+           "one device: the reference every other engine is compared with",
+           cost="tfdist.strategies.data_parallel_cost:ONE_DEVICE"),
     Engine("mirrored", "tfdist.strategies.mirrored:MirroredStrategy",
-           "data parallel over this process's devices (MirroredStrategy)"),
+           "data parallel over this process's devices (MirroredStrategy)",
+           cost="tfdist.strategies.data_parallel_cost:LOCAL_REPLICAS"),
     Engine("multi_worker", "tfdist.strategies.multi_worker.engine:MultiWorkerStrategy",
            "data parallel over worker processes (MultiWorkerMirroredStrategy over "
            "TF_CONFIG, --worker_hosts or Slurm)", launch=WORKERS, cluster=_WORKERS,
-           processes=2),
+           processes=2, cost="tfdist.strategies.data_parallel_cost:MULTI_WORKER"),
     Engine("horovod", "tfdist.strategies.horovod.engine:HorovodStrategy",
            "data parallel over Horovod ranks under horovodrun (`make horovod` builds it)",
            launch=HOROVODRUN, processes=2),
     Engine("dtensor", "tfdist.strategies.dtensor.engine:DTensorStrategy",
            "tensor sharding over a --mesh with ZeRO stages 0-3, in one process or "
-           "across workers", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY),
+           "across workers", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY,
+           cost="tfdist.strategies.dtensor.cost:COST"),
     Engine("parameter_server", "tfdist.strategies.parameter_server.engine:ParameterServerStrategy",
            "asynchronous: workers update variables on parameter servers "
            "(ParameterServerStrategy; `tfdist-launch --workers=N --ps=P`)",
@@ -46,7 +49,7 @@ BUILT_IN = (
     Engine("pipeline", "tfdist.strategies.pipeline.engine:PipelineStrategy",
            "the model split into stages over devices or worker processes, micro-batches "
            "on a GPipe, 1F1B or interleaved 1F1B schedule", launch=ONE_OR_WORKERS,
-           cluster=_WORKERS_IF_ANY),
+           cluster=_WORKERS_IF_ANY, cost="tfdist.strategies.pipeline.cost:COST"),
 )
 _REGISTRY = Registry("--strategy", "strategy", {e.name: e for e in BUILT_IN})
 unregister = _REGISTRY.unregister

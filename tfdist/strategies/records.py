@@ -44,6 +44,10 @@ class Engine:
     # UsageError, run before TensorFlow loads; None: no cluster to check.
     cluster: Optional[Callable] = None
     processes: int = 1          # processes a comparison or an example starts by default
+    # Its cost model for the planner, "package.module:OBJECT" (see
+    # `tfdist.planner.costs`), imported only when planning; None: the
+    # planner never proposes the engine.
+    cost: Optional[str] = None
 
     def __post_init__(self):
         if self.launch not in LAUNCHES:

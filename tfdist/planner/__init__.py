@@ -1,0 +1,219 @@
+"""The planner: `tfdist.plan(config, ...)` and `tfdist-plan` choose the
+engine and its options for the user's model on this host.
+
+Model -> facts (`profile.py`), one-device measurements (`calibrate.py`),
+every engine's candidates and their predicted memory and time (each
+engine's cost model, `tfdist.planner.costs`), trials of the best
+(`search.py`, `trials.py`), a ranked table and the winner as a flagfile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+from typing import Callable, Optional
+
+from tfdist import config as config_lib
+from tfdist.config import RunConfig
+from tfdist.errors import UsageError
+from tfdist.observe import hardware
+from tfdist.planner import calibrate, functions as functions_lib, search as search_lib
+from tfdist.planner.costs import Facts, GiB, Host
+from tfdist.planner.search import Candidate
+
+DEFAULT_TRIALS = 5
+DEFAULT_SEARCH_SECONDS = 180.0
+
+
+@dataclasses.dataclass
+class Plan:
+    """A finished search: every candidate (tried, ranked or dropped) and the winner."""
+
+    config: RunConfig             # the run asked for
+    facts: Facts
+    candidates: list
+    winner: Candidate
+    seconds: float = 0.0
+
+    @property
+    def runner_up(self) -> Optional[Candidate]:
+        measured = sorted((c for c in self.candidates if c.measured_rate()),
+                          key=lambda c: -c.measured_rate())
+        return measured[1] if len(measured) > 1 else None
+
+    def winner_config(self) -> RunConfig:
+        return search_lib.apply(self.config, self.winner.engine, self.winner.options)
+
+    def flagfile(self) -> str:
+        return config_lib.flagfile(self.winner_config())
+
+    def rows(self) -> list:
+        """One dict per candidate: tried first (best measured first), then the
+        rest by predicted time, then the dropped."""
+        batch = self.facts.global_batch
+        tried = sorted((c for c in self.candidates if c.trial),
+                       key=lambda c: -(c.measured_rate() or 0))
+        ranked = [c for c in search_lib.rank(self.candidates) if not c.trial]
+        dropped = [c for c in self.candidates if c.dropped]
+        rows = []
+        for c in tried + ranked + dropped:
+            rate = c.measured_rate()
+            rows.append({
+                "candidate": c.describe(),
+                "predicted_gib": c.estimate.peak_bytes / GiB if c.estimate else None,
+                "measured_gib": (c.measured_peak() / GiB) if c.measured_peak() else None,
+                "predicted_examples_per_sec": c.predicted_rate(batch) if c.estimate else None,
+                "measured_examples_per_sec": rate,
+                "mfu": self._mfu(c, rate),
+                "status": ("chosen" if c is self.winner else "tried" if c.trial and c.trial.ok
+                           else f"failed: {c.trial.reason}" if c.trial
+                           else f"dropped: {c.dropped}" if c.dropped else "not tried"),
+            })
+        return rows
+
+    def _mfu(self, candidate, rate) -> Optional[float]:
+        flops = self.facts.model.flops_per_example
+        peak = self.facts.host.peak_flops.get(candidate.options["precision"])
+        return rate * flops / peak if rate and flops and peak else None
+
+    def table(self, limit: int = 20) -> str:
+        rows = self.rows()
+        lines = ["| # | candidate | memory GiB predicted / measured | examples/s predicted / "
+                 "measured | MFU | status |", "|---|---|---|---|---|---|"]
+        shown = [r for r in rows if not r["status"].startswith("dropped")][:limit]
+        dropped = [r for r in rows if r["status"].startswith("dropped")]
+        for number, r in enumerate(shown, 1):
+            lines.append(f"| {number} | {r['candidate']} | {_num(r['predicted_gib'], 2)} / "
+                         f"{_num(r['measured_gib'], 2)} | "
+                         f"{_num(r['predicted_examples_per_sec'], 0)} / "
+                         f"{_num(r['measured_examples_per_sec'], 0)} | "
+                         f"{_pct(r['mfu'])} | {r['status']} |")
+        live = sum(1 for r in rows if not r["status"].startswith("dropped"))
+        if live > len(shown):
+            lines.append(f"| | ... {live - len(shown)} more not tried | | | | |")
+        reasons = {}
+        for r in dropped:
+            reasons.setdefault(r["status"][len("dropped: "):], []).append(r["candidate"])
+        for reason, names in sorted(reasons.items()):
+            lines.append(f"| | {len(names)} dropped, e.g. {names[0]} | | | | {reason} |")
+        return "\n".join(lines)
+
+    def explain(self, candidate: Optional[Candidate] = None) -> str:
+        c = candidate or self.winner
+        e = c.estimate
+        lines = [f"{c.describe()}: {e.processes} process(es)",
+                 f"  memory of its largest process, predicted {e.peak_bytes / GiB:.3f} GiB"
+                 + (f", measured {c.measured_peak() / GiB:.3f} GiB" if c.measured_peak()
+                    else "") + ":"]
+        lines += [f"    {name:<32} {value / GiB:8.3f} GiB" for name, value in e.memory.items()]
+        lines.append(f"  time per step, predicted {e.step_seconds * 1e3:.1f} ms"
+                     + (f" x {c.factor:.2f} (its engine's trials measured / predicted)"
+                        if c.factor != 1.0 else "")
+                     + (f", measured {self.facts.global_batch / c.measured_rate() * 1e3:.1f} ms"
+                        if c.measured_rate() else "") + ":")
+        lines += [f"    {name:<32} {value * 1e3:8.1f} ms" for name, value in e.time.items()]
+        return "\n".join(lines)
+
+
+def _num(value, digits) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def host_facts(config: RunConfig, memory_budget: Optional[int], processes: int,
+               lossy: bool) -> Host:
+    from tfdist.observe import peak
+    cores = len(os.sched_getaffinity(0))
+    devices = config.strategy.virtual_devices or cores
+    peaks = {}
+    for precision in ("float32", "mixed_bfloat16") if lossy else ("float32",):
+        tflops = peak.precision_peak_tflops(precision)
+        if tflops:
+            peaks[precision] = tflops * 1e12
+    limit = hardware.memory_limit_bytes()
+    budget = memory_budget or limit
+    if processes > 1:   # processes of one host share its memory
+        budget = min(budget, limit / processes)
+    return Host(cpu=hardware.describe(), cores=cores, memory_budget=budget, devices=devices,
+                processes=processes, peak_flops=peaks)
+
+
+def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout_rules=None,
+         memory_budget: Optional[int] = None, allow_lossy: bool = False, processes: int = 1,
+         trials: int = DEFAULT_TRIALS, search_seconds: float = DEFAULT_SEARCH_SECONDS,
+         cap_trials: bool = False, log: Callable = print,
+         work_dir: Optional[str] = None) -> Plan:
+    """Choose the engine and options for `config`'s model, data and global
+    batch on this host (`processes` local worker processes). Raises
+    `UsageError` for bad input and for a budget no candidate fits."""
+    import time
+
+    from tfdist import api
+    from tfdist.planner import profile
+    started = time.monotonic()
+    if memory_budget is not None and memory_budget <= 0:
+        raise UsageError(f"--memory_budget={memory_budget}: must be a positive size")
+    if trials < 1:
+        raise UsageError(f"--plan_trials={trials}: at least one trial")
+    functions = {"model_fn": functions_lib.reference(model_fn, "model_fn"),
+                 "dataset_fn": functions_lib.reference(dataset_fn, "dataset_fn"),
+                 "layout_rules": functions_lib.rules_record(layout_rules)}
+    if spec is not None and dataset_fn is None:
+        raise UsageError("spec= is the shape of dataset_fn's data; give dataset_fn too")
+    host = host_facts(config, memory_budget, processes, allow_lossy)
+    log(f"planning on {host.cpu}, {host.cores} cores, {host.devices} devices per process, "
+        f"{processes} process(es), memory budget {host.memory_budget / GiB:.2f} GiB per process")
+    inputs = api._inputs(config, dataset_fn, spec)
+    model = profile.model_facts(config, inputs, model_fn, layout_rules)
+    log(f"model {model.name}: {model.parameters:,} parameters, "
+        f"{model.param_bytes / GiB:.3f} GiB (+ gradients and optimizer slots: "
+        f"{model.trainable_bytes * (1 + model.slot_ratio) / GiB:.3f} GiB), "
+        + (f"{model.flops_per_example / 1e6:,.1f} MFLOP per example" if model.flops_per_example
+           else "FLOPs not countable"))
+    with tempfile.TemporaryDirectory(prefix="tfdist-plan-", dir=work_dir) as scratch:
+        steps = _steps_per_loop(model, host, config.train.global_batch_size)
+        calibration = calibrate.measure(config, steps, allow_lossy, functions, log, scratch,
+                                        timeout=max(60.0, search_seconds / 2))
+        families = ["default", "mirrored", "dtensor", "pipeline"]
+        calibration.baselines = calibrate.baselines(families, host.devices, log, scratch,
+                                                    timeout=60.0)
+        facts = Facts(model=model, calibration=calibration, host=host,
+                      global_batch=config.train.global_batch_size,
+                      precision=config.train.precision)
+        candidates = search_lib.enumerate_candidates(facts, allow_lossy)
+        if not search_lib.rank(candidates):
+            raise search_lib.too_small(candidates, host.memory_budget)
+        log(f"{len(candidates)} candidates, {len(search_lib.rank(candidates))} predicted to fit;"
+            f" trials of the best (at most {trials}, {search_seconds:.0f} s)")
+        search = search_lib.Search(
+            config=config, facts=facts, functions=functions, trials=trials,
+            seconds=search_seconds - (time.monotonic() - started), cap=cap_trials, log=log,
+            work_dir=scratch,
+            trial_runs=lambda c: [calibrate.flags_of(calibrate.trial_config(
+                search_lib.apply(config, c.engine, c.options), steps))])
+        winner = search_lib.run(search, candidates)
+    if winner is None:
+        failed = [c for c in candidates if c.trial]
+        raise UsageError("every trial failed; the first: "
+                         + (f"{failed[0].describe()}: {failed[0].trial.reason}" if failed
+                            else "none ran"))
+    return Plan(config=config, facts=facts, candidates=candidates, winner=winner,
+                seconds=time.monotonic() - started)
+
+
+def _steps_per_loop(model, host: Host, batch: int) -> int:
+    """A trial's loop: about a second and a half of steps at a third of this
+    host's peak (the first loop compiles and is not timed), 3 to 20 steps."""
+    peak = host.peak_flops.get("float32")
+    if not (model.flops_per_example and peak):
+        return 5
+    step = model.flops_per_example * batch / (peak / 3)
+    return int(min(20, max(3, math.ceil(1.5 / step))))
+
+
+__all__ = ["Plan", "plan"]

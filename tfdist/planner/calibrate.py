@@ -1,0 +1,155 @@
+"""What the planner measures before it predicts: the model on one device at
+two batch sizes (activation bytes per example and the step's fixed cost),
+its rate per precision and XLA setting, and what each engine family's
+runtime adds to a process's resident memory (a tiny model under each,
+cached per host, TensorFlow and tfdist version)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from tfdist.config import RunConfig, as_flags
+from tfdist.errors import UsageError
+from tfdist.observe import hardware
+from tfdist.planner import trials as trials_lib
+from tfdist.planner.costs import Calibration
+
+CACHE_VERSION = 1
+TINY = ["--model=mlp", "--model_width=16", "--model_depth=2", "--synthetic", "--global_batch_size=8",
+        "--train_steps=2", "--steps_per_loop=1"]
+
+
+def trial_config(config: RunConfig, steps_per_loop: int) -> RunConfig:
+    """`config` made a trial's: two loops (the first, which compiles, is not
+    timed), nothing written, nothing evaluated during training."""
+    train = dataclasses.replace(config.train, train_steps=2 * steps_per_loop, epochs=None,
+                                steps_per_loop=steps_per_loop, model_dir=None, export_dir=None,
+                                checkpoint_every=0, eval_every=0, log_every=0, profile_steps=())
+    return config.replace(train=train)
+
+
+def flags_of(config: RunConfig) -> list:
+    return as_flags(config)
+
+
+def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict,
+            log: Callable, work_dir: Optional[str], timeout: float) -> Calibration:
+    """Two or three one-device processes: float32 at a quarter and half the
+    global batch (the second also with XLA), then, if `lossy`,
+    mixed_bfloat16 at half (with and without XLA)."""
+    batch = config.train.global_batch_size
+    small, large = max(1, batch // 4), max(2, batch // 2)
+
+    def run(precision, jit, size):
+        one = config.replace(
+            strategy=dataclasses.replace(config.strategy, name="default", virtual_devices=1),
+            train=dataclasses.replace(config.train, precision=precision, jit_compile=jit,
+                                      global_batch_size=size, accum_steps=1))
+        return flags_of(trial_config(one, steps_per_loop))
+
+    processes = [[run("float32", "off", small)],
+                 [run("float32", "off", large), run("float32", "on", large)]]
+    if lossy:
+        processes.append([run("mixed_bfloat16", "off", large),
+                          run("mixed_bfloat16", "on", large)])
+    results = []
+    for number, runs in enumerate(processes, 1):
+        log(f"calibration {number}/{len(processes)}: one device, "
+            + ", ".join(_describe(r) for r in runs))
+        result = trials_lib.run(runs, functions=functions, timeout=timeout, work_dir=work_dir)
+        if not result.ok:
+            raise UsageError(f"the model cannot be measured on one device: {result.reason}")
+        results.append(result)
+    first, second = results[0].runs[0], results[1].runs
+    rates = {("float32", "off"): second[0]["examples_per_sec"],
+             ("float32", "on"): second[1]["examples_per_sec"]}
+    peaks16 = None
+    if lossy:
+        third = results[2].runs
+        rates[("mixed_bfloat16", "off")] = third[0]["examples_per_sec"]
+        rates[("mixed_bfloat16", "on")] = third[1]["examples_per_sec"]
+        peaks16 = (large, third[0]["peak_rss_bytes"])
+    return Calibration(
+        points=((small, first["peak_rss_bytes"]), (large, second[0]["peak_rss_bytes"])),
+        rates=rates, baselines={}, peaks16=peaks16,
+        times=((small, small / first["examples_per_sec"]),
+               (large, large / second[0]["examples_per_sec"])))
+
+
+def _describe(flags: list) -> str:
+    values = dict(f[2:].split("=", 1) for f in flags if f.startswith("--") and "=" in f)
+    return (f"{values.get('precision')} batch {values.get('global_batch_size')} "
+            f"XLA {values.get('jit_compile')}")
+
+
+# -- each engine family's runtime --------------------------------------------------
+
+FAMILY_FLAGS = {
+    "default": ["--strategy=default", "--virtual_devices=1"],
+    "mirrored": ["--strategy=mirrored"],
+    "dtensor": ["--strategy=dtensor", "--mesh=batch:{devices},model:1"],
+    "pipeline": ["--strategy=pipeline", "--pipeline_stages=2", "--microbatches=2"],
+}
+
+
+def baselines(families: list, devices: int, log: Callable, work_dir: Optional[str],
+              timeout: float) -> dict:
+    """family -> peak resident bytes of a tiny model under it (cached)."""
+    key = _cache_key(devices)
+    cache = _read_cache()
+    found = dict(cache.get(key, {}))
+    missing = [f for f in families if f not in found and f in FAMILY_FLAGS]
+    for family in missing:
+        log(f"measuring the {family} engine's runtime (a tiny model; cached for this host)")
+        flags = [f.format(devices=devices) for f in FAMILY_FLAGS[family]]
+        if family != "default":
+            flags.append(f"--virtual_devices={devices}")
+        result = trials_lib.run([TINY + flags], timeout=timeout, work_dir=work_dir)
+        if result.ok:
+            found[family] = result.peaks[0]
+        else:
+            log(f"  the {family} runtime could not be measured ({result.reason}); its "
+                "processes are predicted with the one-device runtime")
+    if missing:
+        cache[key] = found
+        _write_cache(cache)
+    return found
+
+
+def cache_dir() -> str:
+    return os.environ.get("TFDIST_CACHE_DIR", os.path.expanduser("~/.cache/tfdist"))
+
+
+def _cache_key(devices: int) -> str:
+    return (f"v{CACHE_VERSION}|{hardware.describe()}|tf {tf.__version__}|tfdist "
+            f"{tfdist_version()}|devices {devices}")
+
+
+def tfdist_version() -> str:
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("tfdist")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _read_cache() -> dict:
+    try:
+        with open(os.path.join(cache_dir(), "runtimes.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict) -> None:
+    os.makedirs(cache_dir(), exist_ok=True)
+    path = os.path.join(cache_dir(), "runtimes.json")
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(cache, f, indent=1, sort_keys=True)
+    os.replace(temporary, path)

@@ -1,0 +1,254 @@
+"""What every engine's cost model shares: the facts a plan is made from and
+the formulas over them. No engine is named here; each engine states its own
+candidates and costs beside its adapter (`Engine.cost`), in these terms.
+
+A candidate's estimate is a sum of named terms, so `tfdist-plan --explain`
+can print it term by term:
+
+- memory, bytes of the largest process: the process's resident baseline for
+  the engine's family (TensorFlow, Keras, the input pipeline; measured), the
+  training state it holds (parameters, gradients, optimizer slots, an
+  accumulator; by layout, ZeRO stage and pipeline stage), activations
+  (bytes per example in flight, measured at two batch sizes on one device)
+  and transients (ZeRO-3's gathered layers);
+- time, seconds per step: the computation at the rate measured for this model
+  on this host (per precision and XLA setting), then what the engine adds
+  (reductions over an alpha-beta link model, a pipeline's bubble, ZeRO-3's
+  second forward pass). Trials then measure the best candidates, and each
+  engine's predictions are scaled by what its trials measured.
+
+No TensorFlow here: the formulas are plain arithmetic over `Facts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Optional
+
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One of the model's variables: where it is, its size, whether trained."""
+
+    path: str
+    shape: tuple
+    itemsize: int
+    trainable: bool
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a pipeline split: its parameter bytes and forward FLOPs
+    per example (its share of the activations and of the time)."""
+
+    param_bytes: int
+    flops: int
+
+
+@dataclasses.dataclass
+class ModelFacts:
+    """The model as the planner sees it (read from the built model, nothing trained)."""
+
+    name: str
+    variables: list              # [Variable]
+    slot_ratio: float            # optimizer slot bytes per trainable variable byte
+    flops_per_example: Optional[int]   # forward + backward, or None if not countable
+    # Pipeline splits the planner may try: stages -> [Stage], or the reason
+    # the model cannot be split so (a string).
+    splits: dict = dataclasses.field(default_factory=dict)
+    layout_rules: object = None  # `sharding.LayoutRules` for tensor sharding, or None
+    signature: str = ""          # what identifies the model (for the cache key)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(v.bytes for v in self.variables)
+
+    @property
+    def trainable_bytes(self) -> int:
+        return sum(v.bytes for v in self.variables if v.trainable)
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(v.shape) for v in self.variables)
+
+    @property
+    def largest_variable_bytes(self) -> int:
+        return max((v.bytes for v in self.variables), default=0)
+
+
+@dataclasses.dataclass
+class Calibration:
+    """What was measured for this model on this host (`calibrate.py`).
+
+    `points`: (batch, peak resident bytes) of the one-device float32 runs
+    without XLA; `peaks16`: (batch, peak) of the mixed_bfloat16 run, if
+    measured; `rates`: (precision, jit) -> examples/s at the larger batch;
+    `baselines`: engine family -> the peak of a tiny model under it (what
+    the family's runtime costs beyond the one-device engine's); `times`:
+    (batch, seconds per step) of the two float32 runs."""
+
+    points: tuple
+    rates: dict
+    baselines: dict
+    peaks16: Optional[tuple] = None
+    times: tuple = ()
+
+    def slope(self) -> float:
+        """Activation bytes per example (float32), from the two batch sizes."""
+        (b1, p1), (b2, p2) = self.points
+        return max(0.0, (p2 - p1) / (b2 - b1))
+
+    def intercept(self) -> float:
+        (b1, p1), _ = self.points
+        return p1 - self.slope() * b1
+
+
+@dataclasses.dataclass
+class Host:
+    """This host and the cluster planned for."""
+
+    cpu: str
+    cores: int
+    memory_budget: int           # bytes each process may use
+    devices: int                 # devices each process may split its share over
+    processes: int = 1           # processes planned for (a cluster's size)
+    hosts: int = 1               # distinct hosts among them
+    peak_flops: dict = dataclasses.field(default_factory=dict)   # precision -> FLOP/s
+    link_bytes_per_s: float = 1.0e9     # between hosts (or processes of one host)
+    link_latency_s: float = 1.0e-4
+    local_bytes_per_s: float = 4.0e9    # between the devices of one process (memory copies)
+
+
+@dataclasses.dataclass
+class Facts:
+    """Everything a cost model reads: the model, what was measured, the
+    host, and the run's fixed choices (the global batch; the optimizer)."""
+
+    model: ModelFacts
+    calibration: Calibration
+    host: Host
+    global_batch: int
+    precision: str = "float32"   # the user's, the default a search starts from
+
+    # -- memory ----------------------------------------------------------------
+    def base(self, family: str) -> float:
+        """The resident bytes of a process of engine family `family` before
+        the model's state and activations: one device's measured intercept
+        less its state, plus what the family's runtime adds (measured on a
+        tiny model)."""
+        one_device = self.calibration.intercept() - self.state_total()
+        baselines = self.calibration.baselines
+        extra = baselines.get(family, baselines.get("default", 0)) - baselines.get("default", 0)
+        return max(0.0, one_device) + max(0.0, extra)
+
+    def state_total(self) -> float:
+        model = self.model
+        return model.param_bytes + model.trainable_bytes * (1 + model.slot_ratio)
+
+    def activation_bytes(self, examples: float, precision: str) -> float:
+        """Bytes of activations for `examples` in flight in one process."""
+        return self.slope(precision) * examples
+
+    def slope(self, precision: str) -> float:
+        calibration = self.calibration
+        if precision != "float32" and calibration.peaks16:
+            batch, peak = calibration.peaks16
+            return max(0.0, (peak - calibration.intercept()) / batch)
+        return calibration.slope()
+
+    # -- time ------------------------------------------------------------------
+    def rate(self, precision: str, jit: str) -> Optional[float]:
+        """Measured examples/s of one device for this model, or None."""
+        return self.calibration.rates.get((precision, jit))
+
+    def compute_seconds(self, examples: float, precision: str, jit: str) -> float:
+        rate = self.rate(precision, jit)
+        return examples / rate if rate else math.inf
+
+    def step_overhead(self) -> float:
+        """Seconds a step costs whatever its batch (launching its ops, the
+        host loop), from the step times at the two measured batch sizes."""
+        times = self.calibration.times
+        if len(times) != 2:
+            return 0.0
+        (b1, t1), (b2, t2) = times
+        per_example = (t2 - t1) / (b2 - b1)
+        return max(0.0, t1 - per_example * b1)
+
+    def concurrency(self, precision: str, jit: str, devices: int) -> float:
+        """How much faster `devices` kept busy at once compute than one
+        device: at most the cores, and at most what one device leaves of the
+        host's matmul peak (a device at 40% of it can gain at most 2.5x)."""
+        rate = self.rate(precision, jit)
+        peak = self.host.peak_flops.get(precision)
+        flops = self.model.flops_per_example
+        if devices <= 1 or not (rate and peak and flops):
+            return 1.0
+        return max(1.0, min(devices, self.host.cores, peak / (rate * flops)))
+
+    def concurrent_seconds(self, examples: float, precision: str, jit: str,
+                           devices: int) -> float:
+        """`compute_seconds` for `devices` of one host working at once."""
+        return (self.compute_seconds(examples, precision, jit)
+                / self.concurrency(precision, jit, devices))
+
+
+def all_reduce_seconds(facts: Facts, nbytes: float, members: int, local: bool) -> float:
+    """A ring all-reduce of `nbytes` among `members`: 2(n-1)/n of the bytes
+    cross each link, in 2(n-1) latency-bound rounds (the alpha-beta model)."""
+    if members <= 1:
+        return 0.0
+    share = 2 * (members - 1) / members * nbytes
+    rounds = 2 * (members - 1)
+    latency = 0.0 if local else facts.host.link_latency_s * rounds
+    speed = facts.host.local_bytes_per_s if local else facts.host.link_bytes_per_s
+    return latency + share / speed
+
+
+@dataclasses.dataclass
+class Estimate:
+    """One candidate's predicted cost: terms by name (bytes of its largest
+    process, seconds per step), and how many processes it starts."""
+
+    memory: dict
+    time: dict
+    processes: int = 1
+    family: str = "default"      # the runtime whose resident baseline applies
+    notes: tuple = ()
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.time.values())
+
+
+def state(facts: Facts, params: float = 1.0, grads: float = 1.0, slots: float = 1.0,
+          accumulator: float = 0.0) -> dict:
+    """Memory terms of the training state at the given fractions (copies) of
+    the whole model's: parameters, gradients, optimizer slots, accumulator."""
+    model = facts.model
+    terms = {"parameters": model.param_bytes * params,
+             "gradients": model.trainable_bytes * grads,
+             "optimizer slots": model.trainable_bytes * model.slot_ratio * slots}
+    if accumulator:
+        terms["accumulated gradients"] = model.trainable_bytes * accumulator
+    return terms
+
+
+def base_terms(facts: Facts, family: str) -> dict:
+    return {"runtime": facts.base(family)}
+
+
+def dividers(n: int) -> Iterable[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

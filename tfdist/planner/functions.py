@@ -1,0 +1,70 @@
+"""The user's functions (`model_fn`, `dataset_fn`), named so that a trial
+process can import them again: a module-level function of an importable
+module, or of the script that runs (`__main__`, imported again by its path
+as a module: its `if __name__ == "__main__":` block does not run)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from typing import Callable, Optional
+
+from tfdist.errors import UsageError
+
+_SCRIPT_MODULE = "tfdist_planned_script"
+
+
+def reference(fn: Optional[Callable], what: str) -> Optional[dict]:
+    """Where `fn` can be imported from, or `UsageError` naming `what`."""
+    if fn is None:
+        return None
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or not name or "<" in name:
+        raise UsageError(f"{what}={fn!r}: a plan's trials run in processes of their own and "
+                         "import it again, so it must be a module-level function (not a "
+                         "lambda, a closure or a method)")
+    if module == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if not path:
+            raise UsageError(f"{what}={name!r} is defined in an interactive session; define it "
+                             "in a module or script file so trial processes can import it")
+        return {"path": path, "name": name}
+    return {"module": module, "name": name}
+
+
+def resolve(ref: Optional[dict]) -> Optional[Callable]:
+    """The function `reference` named."""
+    if not ref:
+        return None
+    if "path" in ref:
+        module = sys.modules.get(_SCRIPT_MODULE)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(_SCRIPT_MODULE, ref["path"])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[_SCRIPT_MODULE] = module
+            spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(ref["module"])
+    target = module
+    for part in ref["name"].split("."):
+        target = getattr(target, part)
+    return target
+
+
+def rules_record(rules) -> Optional[dict]:
+    """Layout rules (tfdist's or a Keras `LayoutMap`) as JSON for a trial."""
+    if rules is None:
+        return None
+    from tfdist import sharding
+    rules = sharding.as_layout_rules(rules)
+    return {"rules": [[pattern, list(spec)] for pattern, spec in rules], "match": rules.match}
+
+
+def layout_rules(record: Optional[dict]):
+    """The `LayoutRules` `rules_record` wrote, or None."""
+    if not record:
+        return None
+    from tfdist import sharding
+    return sharding.LayoutRules([(p, tuple(s)) for p, s in record["rules"]],
+                                match=record["match"])

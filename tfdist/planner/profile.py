@@ -1,0 +1,91 @@
+"""The model as the planner sees it: built once in the planning process on
+one device (nothing trained), read into `costs.ModelFacts`: its variables,
+the optimizer's slot bytes per trained byte, the FLOPs of a training
+example, the pipeline splits the search may try, its layout rules."""
+
+from __future__ import annotations
+
+import hashlib
+
+import keras
+import tensorflow as tf
+
+from tfdist import models, sharding
+from tfdist.config import RunConfig
+from tfdist.errors import UsageError
+from tfdist.observe import flops as flops_lib
+from tfdist.pipeline import split as split_lib
+from tfdist.planner.costs import ModelFacts, Stage, Variable
+from tfdist.training import optimizers
+from tfdist.training.precision import Precision
+
+# Stage counts (S x chunks) a search may split into.
+SPLITS = (2, 4, 8)
+
+
+def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> ModelFacts:
+    """Build the run's model and optimizer under float32 and read their facts."""
+    keras.utils.set_random_seed(config.train.seed)
+    with Precision("float32").policy_scope():
+        model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+        signature = _example_signature(inputs)
+        if not model.built or not model.weights:
+            model(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), signature))
+        optimizer = optimizers.create(config.optimizer,
+                                      global_batch_size=config.train.global_batch_size,
+                                      total_steps=1)
+        optimizer.build(model.trainable_variables)
+    variables = [Variable(v.path, tuple(int(d) for d in v.shape), _itemsize(v.dtype),
+                          v.trainable) for v in model.weights]
+    trainable = sum(v.bytes for v in variables if v.trainable) or 1
+    slots = sum(_size(v.shape) * _itemsize(v.dtype) for v in optimizer.variables
+                if len(v.shape) > 0)
+    if layout_rules is None and model_fn is None:
+        layout_rules = models.layout_rules(config.model)
+    by_op = flops_lib.try_forward_flops_by_op(model, lambda: signature)
+    return ModelFacts(
+        name=model.name, variables=variables, slot_ratio=slots / trainable,
+        flops_per_example=(flops_lib.TRAINING_PASSES * sum(by_op.values()) if by_op else None),
+        splits=_splits(model, signature),
+        layout_rules=sharding.as_layout_rules(layout_rules) if layout_rules else None,
+        signature=_signature(model, variables))
+
+
+def _splits(model, signature) -> dict:
+    """stages -> [Stage] for each of SPLITS the model allows, else the reason."""
+    try:
+        found = split_lib.blocks(model, input_signature=signature)
+    except (UsageError, ValueError, TypeError) as error:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        return {stages: reason for stages in SPLITS}
+    splits = {}
+    for stages in SPLITS:
+        try:
+            splits[stages] = [Stage(s.param_bytes, s.flops)
+                              for s in split_lib.split(model, stages, found=found)]
+        except UsageError as error:
+            splits[stages] = str(error)
+    return splits
+
+
+def _example_signature(inputs):
+    x_spec = inputs.examples("train", tf.distribute.InputContext()).element_spec[0]
+    return tf.nest.map_structure(lambda s: tf.TensorSpec([1, *s.shape], s.dtype), x_spec)
+
+
+def _signature(model, variables) -> str:
+    """A digest of the model's variables (paths, shapes, dtypes): what a
+    cached plan is keyed by, with the batch, the cluster and the host."""
+    text = "\n".join(f"{v.path}:{v.shape}:{v.itemsize}:{v.trainable}" for v in variables)
+    return f"{model.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _size(shape) -> int:
+    size = 1
+    for dim in shape:
+        size *= int(dim)
+    return size
+
+
+def _itemsize(dtype) -> int:
+    return tf.as_dtype(getattr(dtype, "name", dtype)).size

@@ -1,0 +1,272 @@
+"""The search: candidates from every engine's cost model crossed with the
+shared options a search may try, estimated, dropped where they would not
+fit, ranked by predicted step time, the best measured in trials, the time
+model refined from what the trials measured, and a winner chosen by
+measurement.
+
+Which candidates are tried first: the best predicted of each engine (an
+engine's predictions are off by a factor of its own more than anything,
+and one trial per engine measures it), then, with every engine's
+predictions scaled by what its trial measured, the best not yet tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import time
+from typing import Callable, Optional
+
+from tfdist import config as config_lib
+from tfdist import sharding, strategies
+from tfdist.config import RunConfig
+from tfdist.errors import UsageError
+from tfdist.planner import trials as trials_lib
+from tfdist.planner.costs import Estimate, Facts, GiB
+
+# The shared options a search crosses with each engine's candidates, unless
+# the engine sets them itself (a pipeline's micro-batches are its accum_steps).
+SHARED = ("precision", "jit_compile", "accum_steps")
+
+
+@dataclasses.dataclass
+class Candidate:
+    engine: str
+    options: dict                 # option name -> value (the engine's, then the shared)
+    estimate: Optional[Estimate] = None
+    dropped: str = ""             # why it is not a candidate (over budget, ...)
+    trial: Optional[trials_lib.TrialResult] = None
+    factor: float = 1.0           # measured / predicted step time of its engine's trials
+
+    @property
+    def lossless(self) -> bool:
+        return not _lossy_options(self.options)
+
+    def describe(self) -> str:
+        parts = [self.engine]
+        for name, value in self.options.items():
+            if name == "virtual_devices" or value == _default(name):
+                continue
+            parts.append(f"{_flag(name)}={_shown(value)}")
+        return " ".join(parts)
+
+    def predicted_seconds(self) -> float:
+        return self.estimate.step_seconds * self.factor
+
+    def predicted_rate(self, batch: int) -> float:
+        seconds = self.predicted_seconds()
+        return batch / seconds if seconds and math.isfinite(seconds) else 0.0
+
+    def measured_rate(self) -> Optional[float]:
+        return self.trial.examples_per_sec if self.trial and self.trial.ok else None
+
+    def measured_peak(self) -> Optional[float]:
+        return max(self.trial.peaks) if self.trial and self.trial.peaks else None
+
+
+def _fields() -> dict:
+    """option name -> (part, field) of every declared option."""
+    return {field.name: (part, field) for part, field in config_lib.options()}
+
+
+def _default(name: str):
+    part, field = _fields()[name]
+    return field.default
+
+
+def _flag(name: str) -> str:
+    return "--" + config_lib.flag_name(_fields()[name][1])
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _lossy_options(options: dict) -> list:
+    """The options whose value changes the math from the default's."""
+    fields = _fields()
+    return [name for name, value in options.items()
+            if name in fields and config_lib.declaration(fields[name][1]).math
+            and value != fields[name][1].default]
+
+
+def apply(config: RunConfig, engine: str, options: dict) -> RunConfig:
+    """`config` with the candidate's engine and options set."""
+    fields = _fields()
+    parts = {"strategy": {"name": engine}}
+    for name, value in options.items():
+        parts.setdefault(fields[name][0], {})[name] = value
+    return config.replace(**{part: dataclasses.replace(getattr(config, part), **values)
+                             for part, values in parts.items()})
+
+
+def cost_model(engine) -> Optional[object]:
+    if not engine.cost:
+        return None
+    module, _, name = engine.cost.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def shared_values(name: str, lossy: bool) -> tuple:
+    """The values a search tries for shared option `name`: its declared
+    `tunable` values, without those that change the math unless `lossy`."""
+    part, field = _fields()[name]
+    declared = config_lib.declaration(field)
+    values = tuple(declared.tunable) or (field.default,)
+    if declared.math and not lossy:
+        values = tuple(v for v in values if v == field.default)
+    return values
+
+
+def enumerate_candidates(facts: Facts, lossy: bool) -> list:
+    """Every engine's candidates crossed with the shared options, estimated;
+    those that cannot run or would not fit marked `dropped`."""
+    found = []
+    for engine in strategies.engines():
+        model = cost_model(engine)
+        if model is None or (not engine.synchronous and not lossy):
+            continue
+        for layout in model.candidates(facts):
+            combos = [dict(layout)]
+            for name in SHARED:
+                if name in layout:
+                    continue
+                combos = [{**c, name: v} for c in combos for v in shared_values(name, lossy)]
+            for options in combos:
+                found.append(_estimated(Candidate(engine.name, options), model, facts))
+    return found
+
+
+def _estimated(candidate: Candidate, model, facts: Facts) -> Candidate:
+    options = candidate.options
+    batch, accum = facts.global_batch, options["accum_steps"]
+    replicas = _replicas(candidate, facts)
+    if batch % (replicas * accum):
+        candidate.dropped = (f"the global batch {batch} does not divide into {replicas} "
+                             f"replica(s) x {accum} micro-batch(es)")
+        return candidate
+    if facts.rate(options["precision"], options["jit_compile"]) is None:
+        candidate.dropped = "not measured on this host (no calibration run for it)"
+        return candidate
+    candidate.estimate = model.estimate(facts, options)
+    budget = facts.host.memory_budget
+    if candidate.estimate.peak_bytes > budget:
+        candidate.dropped = (f"predicted {candidate.estimate.peak_bytes / GiB:.2f} GiB per "
+                             f"process, over the budget of {budget / GiB:.2f} GiB")
+    return candidate
+
+
+def _replicas(candidate: Candidate, facts: Facts) -> int:
+    """Data-parallel replicas the global batch is split over."""
+    options = candidate.options
+    if "mesh" in options:
+        return dict(sharding.parse_mesh(options["mesh"]))[sharding.BATCH]
+    if "pipeline_stages" in options:
+        positions = facts.host.processes if facts.host.processes > 1 else facts.host.devices
+        return positions // options["pipeline_stages"]
+    if facts.host.processes > 1:
+        return facts.host.processes
+    return options.get("virtual_devices", 1) if candidate.engine != "default" else 1
+
+
+@dataclasses.dataclass
+class Search:
+    """A search's state and settings (see `run`)."""
+
+    config: RunConfig
+    facts: Facts
+    trial_runs: Callable          # candidate -> the flag lists of its trial
+    functions: dict
+    trials: int = 5
+    seconds: float = 180.0
+    cap: bool = False             # trials under a memory cap at the budget
+    log: Callable = print
+    work_dir: Optional[str] = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.started)
+
+
+def rank(candidates: list) -> list:
+    """The candidates that may run, fastest predicted first."""
+    live = [c for c in candidates if not c.dropped]
+    return sorted(live, key=lambda c: (c.predicted_seconds(), c.describe()))
+
+
+def run(search: Search, candidates: list) -> Optional[Candidate]:
+    """Trials of the best candidates; returns the winner (best measured
+    examples/s), or None if every trial failed."""
+    order = rank(candidates)
+    if not order:
+        return None
+    firsts, seen = [], set()
+    for candidate in order:      # the best predicted of each engine first
+        if candidate.engine not in seen:
+            seen.add(candidate.engine)
+            firsts.append(candidate)
+    tried = 0
+    queue = firsts
+    while tried < search.trials and search.left() > 0:
+        pending = [c for c in queue if c.trial is None]
+        if not pending:
+            _refine(candidates, search.facts.global_batch)
+            pending = [c for c in rank(candidates) if c.trial is None]
+            if not pending:
+                break
+            queue = pending
+        candidate = pending[0]
+        _trial(search, candidate, tried + 1)
+        tried += 1
+    _refine(candidates, search.facts.global_batch)
+    measured = [c for c in candidates if c.measured_rate()]
+    return max(measured, key=lambda c: c.measured_rate()) if measured else None
+
+
+def _trial(search: Search, candidate: Candidate, number: int) -> None:
+    estimate = candidate.estimate
+    timeout = max(30.0, min(search.left(), 240.0))
+    cap = int(search.facts.host.memory_budget) if search.cap else None
+    search.log(f"trial {number}/{search.trials}: {candidate.describe()} (predicted "
+               f"{candidate.predicted_rate(search.facts.global_batch):.0f} examples/s, "
+               f"{estimate.peak_bytes / GiB:.2f} GiB per process)")
+    candidate.trial = trials_lib.run(search.trial_runs(candidate),
+                                     processes=estimate.processes, functions=search.functions,
+                                     cap=cap, timeout=timeout, work_dir=search.work_dir)
+    trial = candidate.trial
+    if trial.ok:
+        search.log(f"  measured {trial.examples_per_sec:.0f} examples/s, peak "
+                   f"{max(trial.peaks) / GiB:.2f} GiB per process, {trial.seconds:.0f} s")
+    else:
+        search.log(f"  failed after {trial.seconds:.0f} s: {trial.reason}")
+
+
+def _refine(candidates: list, batch: int) -> None:
+    """Scale each engine's predicted step times by the geometric mean of
+    measured / predicted over its trials."""
+    ratios = {}
+    for c in candidates:
+        rate = c.measured_rate()
+        if rate and c.estimate and c.estimate.step_seconds:
+            ratios.setdefault(c.engine, []).append(batch / rate / c.estimate.step_seconds)
+    for c in candidates:
+        found = ratios.get(c.engine)
+        if found:
+            c.factor = math.exp(sum(math.log(r) for r in found) / len(found))
+
+
+def too_small(candidates: list, budget: float) -> UsageError:
+    """The error for a budget no candidate fits: the closest and by how much."""
+    sized = [c for c in candidates if c.estimate is not None]
+    if not sized:
+        reasons = sorted({c.dropped for c in candidates})
+        return UsageError("no candidate can run: " + "; ".join(reasons[:3]))
+    closest = min(sized, key=lambda c: c.estimate.peak_bytes)
+    over = closest.estimate.peak_bytes - budget
+    return UsageError(f"--memory_budget={budget / GiB:.2f} GiB is too small for every "
+                      f"candidate; the closest, {closest.describe()}, needs "
+                      f"{closest.estimate.peak_bytes / GiB:.2f} GiB per process "
+                      f"({over / 2**20:.0f} MiB more)")

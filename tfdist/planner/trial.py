@@ -1,0 +1,76 @@
+"""One planner trial process: `python -m tfdist.planner.trial SPEC OUT_DIR`.
+
+SPEC (JSON) holds the runs to make in this process, in order, each a list of
+tfdist-train flags, and where the user's `model_fn` / `dataset_fn` are
+(`functions.reference`), if any. After each run the process writes
+OUT_DIR/run-<task>-<i>.json: its examples/s, loss, step time and this
+process's peak resident bytes so far (runs are ordered so that a later run's
+peak is its own: a larger batch after a smaller one). Started by
+`trials.run` alone or under `tfdist-launch` (one per worker, TF_CONFIG set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+
+def _task_index() -> int:
+    try:
+        return int(json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0))
+    except (ValueError, AttributeError):
+        return 0
+
+
+def _cgroup_peak() -> int | None:
+    """This process's memory cgroup peak (v2 memory.peak) when it has a
+    cgroup of its own (`tfdist-launch --worker_memory`), else None."""
+    if not os.environ.get("TFDIST_WORKER_MEMORY"):
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(line.strip().split(":", 2)[2] for line in f if line.startswith("0::"))
+        with open(f"/sys/fs/cgroup{path}/memory.peak") as f:
+            return int(f.read())
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out = argv[1], argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from absl import flags as absl_flags
+
+    from tfdist import flags as tfdist_flags   # defines tfdist's flags
+    from tfdist.planner import functions
+    model_fn = functions.resolve(spec.get("model_fn"))
+    dataset_fn = functions.resolve(spec.get("dataset_fn"))
+    layout_rules = functions.layout_rules(spec.get("layout_rules"))
+    from tfdist import api
+    from tfdist.errors import UsageError
+    task = _task_index()
+    for index, run in enumerate(spec["runs"]):
+        absl_flags.FLAGS.unparse_flags()
+        try:
+            absl_flags.FLAGS([sys.argv[0], *run])
+        except absl_flags.Error as error:
+            raise UsageError(f"trial flags: {error}") from None
+        config = tfdist_flags.run_config()
+        result = api.train(config, model_fn=model_fn, dataset_fn=dataset_fn,
+                           layout_rules=layout_rules)
+        summary = result.summary or {}
+        record = {"examples_per_sec": summary.get("examples_per_sec"),
+                  "loss": summary.get("loss"),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "cgroup_peak_bytes": _cgroup_peak()}
+        with open(os.path.join(out, f"run-{task}-{index}.json"), "w") as f:
+            json.dump(record, f)
+    return 0
+
+
+if __name__ == "__main__":
+    from tfdist import app
+    app.run(main)

@@ -1,0 +1,89 @@
+"""The pipeline engine's cost model: each process's stages (their parameters,
+gradients and slots, ZeRO-1 over a stage's replicas), the activations its
+schedule holds at its busiest moment (`schedule.peak_in_flight`, weighted by
+each stage's share of the forward FLOPs), and the bubble of the schedule.
+No TensorFlow."""
+
+from __future__ import annotations
+
+from tfdist.pipeline import schedule as schedules
+from tfdist.planner.costs import Estimate, Facts, all_reduce_seconds, base_terms
+
+SCHEDULES = ("1f1b", "gpipe")
+MICRO_BATCHES = (2, 4, 8)
+CHUNKS = (1, 2)
+
+
+class Stages:
+    family = "pipeline"
+
+    def candidates(self, facts: Facts):
+        host = facts.host
+        positions = host.processes if host.processes > 1 else host.devices
+        for stages in (2, 4):
+            if positions % stages:
+                continue
+            for chunks in CHUNKS:
+                if not isinstance(facts.model.splits.get(stages * chunks), list):
+                    continue      # the model has too few blocks (the reason is in splits)
+                for kind in SCHEDULES:
+                    if chunks > 1 and kind != "1f1b":
+                        continue  # interleaving is a 1F1B schedule's
+                    for m in MICRO_BATCHES:
+                        if m < stages or (chunks > 1 and m % stages) or facts.global_batch % m:
+                            continue
+                        replicas = positions // stages
+                        for zero in ((0, 1) if replicas > 1 and host.processes > 1 else (0,)):
+                            yield {"pipeline_stages": stages, "pipeline_chunks": chunks,
+                                   "pipeline_schedule": kind, "accum_steps": m,
+                                   "zero_stage": zero, "virtual_devices": host.devices}
+
+    def estimate(self, facts: Facts, options: dict) -> Estimate:
+        host = facts.host
+        stages, chunks = options["pipeline_stages"], options["pipeline_chunks"]
+        m, kind, precision = options["accum_steps"], options["pipeline_schedule"], \
+            options["precision"]
+        split = facts.model.splits[stages * chunks]
+        positions = host.processes if host.processes > 1 else host.devices
+        replicas = positions // stages
+        plan = schedules.schedule(m, kind, stages, chunks)
+        flops = sum(s.flops for s in split) or 1
+        share = [s.flops / flops for s in split]
+        micro = facts.global_batch / replicas / m
+        # Per position (device or process): its stages' state and its most
+        # activations alive at once.
+        held = []
+        for position, items in enumerate(plan):
+            mine = [s for s in range(len(split)) if s % stages == position]
+            params = sum(split[s].param_bytes for s in mine)
+            alive = peak = 0.0
+            for s, what, _ in items:
+                alive += share[s] if what == "F" else -share[s]
+                peak = max(peak, alive)
+            held.append((params, peak))
+        model = facts.model
+        trainable = model.trainable_bytes / max(1, model.param_bytes)
+        slots = 1.0 / replicas if options["zero_stage"] >= 1 else 1.0
+        in_one = host.processes == 1
+        # One process holds every position; else the largest process holds one.
+        params = sum(p for p, _ in held) * replicas if in_one else max(p for p, _ in held)
+        examples = (sum(a for _, a in held) * replicas if in_one
+                    else max(a for _, a in held)) * micro
+        memory = {**base_terms(facts, self.family),
+                  "parameters": params,
+                  "gradients": params * trainable,
+                  "optimizer slots": params * trainable * model.slot_ratio * slots,
+                  "activations": facts.activation_bytes(examples, precision)}
+        bubble = schedules.bubble(stages, m, chunks)
+        examples_per_host = facts.global_batch / host.hosts
+        compute = facts.concurrent_seconds(examples_per_host, precision, options["jit_compile"],
+                                           positions // host.hosts)
+        time = {"compute": compute, "bubble": compute * bubble / (1 - bubble),
+                "micro-batch overhead": (m * chunks - 1) * facts.step_overhead()}
+        if replicas > 1:
+            time["gradient reduction"] = all_reduce_seconds(
+                facts, model.trainable_bytes / stages, replicas, local=in_one)
+        return Estimate(memory, time, processes=host.processes, family=self.family)
+
+
+COST = Stages()
