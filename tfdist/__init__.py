@@ -19,6 +19,13 @@ def train(config, **kwargs):
     return _train(config, **kwargs)
 
 
+def plan(config, **kwargs):
+    """See `tfdist.planner.plan` (what `tfdist-plan` runs): the engine and
+    options for `config`'s model, data and batch on this host, measured."""
+    from tfdist.planner import plan as _plan
+    return _plan(config, **kwargs)
+
+
 def shard(dataset, context):
     """This input pipeline's share of `dataset`, by example (for `dataset_fn`s)."""
     from tfdist.data.function_inputs import shard as _shard
@@ -55,4 +62,4 @@ def export(source, export_dir, **kwargs):
 
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig",
            "StrategyConfig", "TrainConfig", "UsageError", "describe_layouts", "export",
-           "layout_rows", "load_model", "shard", "train"]
+           "layout_rows", "load_model", "plan", "shard", "train"]

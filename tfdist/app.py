@@ -119,6 +119,52 @@ def export_main(argv: list[str]) -> None:
           flush=True)
 
 
+def plan_main(argv: list[str]) -> None:
+    """`tfdist-plan [run flags]`: choose the engine and options; write the flagfile."""
+    if len(argv) > 1:
+        usage_exit(f"unexpected arguments {' '.join(argv[1:])!r}; flags must start with --")
+    config = tfdist_flags.run_config()
+    models.check_name(config.model.name)
+    options = tfdist_flags.plan_options()
+    plan_file, explain = tfdist_flags.plan_output()
+    target = os.path.abspath(plan_file)
+    if os.path.isdir(target) or not os.path.isdir(os.path.dirname(target)):
+        usage_exit(f"--plan_file={plan_file}: must be a file in an existing directory")
+    from tfdist import planner  # TensorFlow loads here, after the flags are known good
+    plan = planner.plan(config, log=lambda line: print(f"{_prog()}: {line}", flush=True),
+                        **options)
+    print(plan.table(), flush=True)
+    if explain:
+        print(plan.explain(), flush=True)
+    temporary = f"{target}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        f.write(plan.flagfile())
+    os.replace(temporary, target)
+    runner_up = plan.runner_up
+    print(f"{_prog()}: chose {plan.winner.describe()} "
+          f"({plan.winner.measured_rate():,.0f} examples/s measured"
+          + (f"; runner-up {runner_up.describe()}, {runner_up.measured_rate():,.0f}"
+             if runner_up else "")
+          + f"); wrote {plan_file}: tfdist-train --flagfile={plan_file}", flush=True)
+
+
+PLAN_HELP = """Choose the engine and its options for the model, data and batch the run
+flags describe, on this host: every engine's candidates, their predicted memory and
+time, trials of the best, a ranked table, and the winner as a flagfile:
+
+    tfdist-plan --model=mlp --global_batch_size=256 && tfdist-train --flagfile=plan.cfg"""
+
+
+def _plan_help() -> str:
+    return tfdist_help.program_help(_prog(), description=PLAN_HELP)
+
+
+def run_plan() -> None:
+    """Console-script entry point of tfdist-plan."""
+    tfdist_help.install(_plan_help)
+    app.run(_guarded(plan_main), flags_parser=parse_flags)
+
+
 TRAIN_HELP = """Train a Keras 3 model under one of TensorFlow's distribution engines
 (--strategy) and print the run summary as one JSON line. Canned runs are flagfiles:
 

@@ -109,11 +109,44 @@ _MICROBATCHES = flags.DEFINE_integer(
 _CLI_ONLY = {"engine and cluster": (_PRINT_LAYOUTS.name, _PRINT_STAGES.name),
              "training": (_MICROBATCHES.name,)}
 
+# tfdist-plan's own flags (beside every run flag, which describe the run to plan).
+_MEMORY_BUDGET = flags.DEFINE_string(
+    "memory_budget", None, "tfdist-plan: the memory each process may use, in bytes with an "
+    "optional K, M or G suffix (powers of 1024, e.g. 6G); default: this process's cgroup "
+    "limit, else the machine's memory (shared among --plan_workers).")
+_PLAN_TRIALS = flags.DEFINE_integer(
+    "plan_trials", 5, "tfdist-plan: the most candidates measured in trial processes.",
+    lower_bound=1, upper_bound=100)
+_SEARCH_SECONDS = flags.DEFINE_float(
+    "search_seconds", 180.0, "tfdist-plan: the seconds the search may take, measurements "
+    "included (no new trial starts after them).", lower_bound=10.0, upper_bound=86400.0)
+_ALLOW_LOSSY = flags.DEFINE_boolean(
+    "allow_lossy", False, "tfdist-plan: also consider choices that change what is computed "
+    "(mixed precision; each option declared as changing the math); default: only choices "
+    "that train the same model as one device.")
+_EXPLAIN = flags.DEFINE_boolean(
+    "explain", False, "tfdist-plan: print the chosen candidate's predicted memory and time "
+    "term by term.")
+_PLAN_FILE = flags.DEFINE_string(
+    "plan_file", "plan.cfg", "tfdist-plan: where the winner is written as a flagfile "
+    "(tfdist-train --flagfile=FILE runs it).")
+_PLAN_WORKERS = flags.DEFINE_integer(
+    "plan_workers", 1, "tfdist-plan: plan for this many worker processes on this host "
+    "(tfdist-launch --workers=N); 1: one process and its devices.", lower_bound=1,
+    upper_bound=64)
+_CAP_TRIALS = flags.DEFINE_boolean(
+    "cap_trials", False, "tfdist-plan: run each trial under a memory cap of --memory_budget "
+    "(tfdist-launch --worker_memory): a candidate that would not fit is OOM-killed, a row "
+    "with its reason.")
+PLAN_FLAGS = (_MEMORY_BUDGET.name, _PLAN_TRIALS.name, _SEARCH_SECONDS.name, _ALLOW_LOSSY.name,
+              _EXPLAIN.name, _PLAN_FILE.name, _PLAN_WORKERS.name, _CAP_TRIALS.name)
+
 # `--help` lists tfdist's flags in these groups, in this order (tfdist/help.py):
 # each option's declared group, then the command-line actions of that group.
 HELP_GROUPS = {group: tuple(config_lib.flag_name(field) for _, field in config_lib.options()
                             if config_lib.declaration(field).group == group)
                + _CLI_ONLY.get(group, ()) for group in config_lib.GROUPS}
+HELP_GROUPS["planner (tfdist-plan)"] = PLAN_FLAGS
 
 
 @flags.multi_flags_validator(
@@ -166,6 +199,20 @@ def run_config() -> config_lib.RunConfig:
                                        for part, cls in config_lib.PART_NAMES.items()})
     except config_lib.ConfigError as error:  # a rule flags alone cannot express
         raise UsageError(str(error)) from None
+
+
+def plan_options() -> dict:
+    """tfdist-plan's own flags as `tfdist.plan` keywords."""
+    from tfdist.planner import parse_size
+    return {"memory_budget": parse_size(_MEMORY_BUDGET.value, "--memory_budget"),
+            "trials": _PLAN_TRIALS.value, "search_seconds": _SEARCH_SECONDS.value,
+            "allow_lossy": _ALLOW_LOSSY.value, "processes": _PLAN_WORKERS.value,
+            "cap_trials": _CAP_TRIALS.value}
+
+
+def plan_output() -> tuple:
+    """(--plan_file, --explain)."""
+    return _PLAN_FILE.value, _EXPLAIN.value
 
 
 def print_stages() -> bool:

@@ -19,7 +19,7 @@ from tfdist import config as config_lib
 from tfdist.config import RunConfig
 from tfdist.errors import UsageError
 from tfdist.observe import hardware
-from tfdist.planner import calibrate, functions as functions_lib, search as search_lib
+from tfdist.planner import functions as functions_lib, search as search_lib
 from tfdist.planner.costs import Facts, GiB, Host
 from tfdist.planner.search import Candidate
 
@@ -117,6 +117,25 @@ class Plan:
         return "\n".join(lines)
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: Optional[str], flag: str) -> Optional[int]:
+    """"6G" -> bytes (powers of 1024); None stays None; else `UsageError`."""
+    if text is None:
+        return None
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in "KMGT" else (raw, "")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        value = -1
+    if not math.isfinite(value) or value < 2**20:
+        raise UsageError(f"{flag}={text!r} is not a size of at least 1M: bytes with an "
+                         "optional K, M, G or T suffix, e.g. 6G or 1500M")
+    return int(value)
+
+
 def _num(value, digits) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -154,7 +173,7 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
     import time
 
     from tfdist import api
-    from tfdist.planner import profile
+    from tfdist.planner import calibrate, profile   # TensorFlow loads here
     started = time.monotonic()
     if memory_budget is not None and memory_budget <= 0:
         raise UsageError(f"--memory_budget={memory_budget}: must be a positive size")

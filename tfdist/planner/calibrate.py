@@ -77,6 +77,7 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
     return Calibration(
         points=((small, first["peak_rss_bytes"]), (large, second[0]["peak_rss_bytes"])),
         rates=rates, baselines={}, peaks16=peaks16,
+        xla_bytes=max(0, second[1]["peak_rss_bytes"] - second[0]["peak_rss_bytes"]),
         times=((small, small / first["examples_per_sec"]),
                (large, large / second[0]["examples_per_sec"])))
 

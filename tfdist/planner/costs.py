@@ -100,6 +100,7 @@ class Calibration:
     baselines: dict
     peaks16: Optional[tuple] = None
     times: tuple = ()
+    xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
 
     def slope(self) -> float:
         """Activation bytes per example (float32), from the two batch sizes."""
@@ -246,8 +247,13 @@ def state(facts: Facts, params: float = 1.0, grads: float = 1.0, slots: float = 
     return terms
 
 
-def base_terms(facts: Facts, family: str) -> dict:
-    return {"runtime": facts.base(family)}
+def base_terms(facts: Facts, family: str, jit: str = "off") -> dict:
+    """The process's resident baseline, and XLA's compilation where the step
+    is compiled."""
+    terms = {"runtime": facts.base(family)}
+    if jit == "on" and facts.calibration.xla_bytes:
+        terms["XLA compilation"] = facts.calibration.xla_bytes
+    return terms
 
 
 def dividers(n: int) -> Iterable[int]:

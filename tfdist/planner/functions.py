@@ -24,28 +24,35 @@ def reference(fn: Optional[Callable], what: str) -> Optional[dict]:
         raise UsageError(f"{what}={fn!r}: a plan's trials run in processes of their own and "
                          "import it again, so it must be a module-level function (not a "
                          "lambda, a closure or a method)")
+    path = getattr(sys.modules.get(module), "__file__", None)
     if module == "__main__":
-        path = getattr(sys.modules["__main__"], "__file__", None)
         if not path:
             raise UsageError(f"{what}={name!r} is defined in an interactive session; define it "
                              "in a module or script file so trial processes can import it")
         return {"path": path, "name": name}
-    return {"module": module, "name": name}
+    # The module by name, else (not on a trial's path) by its file.
+    return {"module": module, "name": name, "path": path}
 
 
 def resolve(ref: Optional[dict]) -> Optional[Callable]:
     """The function `reference` named."""
     if not ref:
         return None
-    if "path" in ref:
-        module = sys.modules.get(_SCRIPT_MODULE)
+    module = None
+    if ref.get("module"):
+        try:
+            module = importlib.import_module(ref["module"])
+        except ImportError:
+            if not ref.get("path"):
+                raise
+    if module is None:
+        name = ref.get("module") or _SCRIPT_MODULE
+        module = sys.modules.get(name)
         if module is None:
-            spec = importlib.util.spec_from_file_location(_SCRIPT_MODULE, ref["path"])
+            spec = importlib.util.spec_from_file_location(name, ref["path"])
             module = importlib.util.module_from_spec(spec)
-            sys.modules[_SCRIPT_MODULE] = module
+            sys.modules[name] = module
             spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(ref["module"])
     target = module
     for part in ref["name"].split("."):
         target = getattr(target, part)

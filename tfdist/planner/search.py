@@ -129,12 +129,16 @@ def enumerate_candidates(facts: Facts, lossy: bool) -> list:
         model = cost_model(engine)
         if model is None or (not engine.synchronous and not lossy):
             continue
+        xla = strategies.adapter_class(engine).supports_xla   # the engine's own fact
         for layout in model.candidates(facts):
             combos = [dict(layout)]
             for name in SHARED:
                 if name in layout:
                     continue
-                combos = [{**c, name: v} for c in combos for v in shared_values(name, lossy)]
+                values = shared_values(name, lossy)
+                if name == "jit_compile" and not xla:
+                    values = ("off",)
+                combos = [{**c, name: v} for c in combos for v in values]
             for options in combos:
                 found.append(_estimated(Candidate(engine.name, options), model, facts))
     return found

@@ -109,14 +109,19 @@ def check_cluster(config: StrategyConfig) -> None:
         check(config, dict(os.environ))
 
 
-def create(config: StrategyConfig) -> Strategy:
-    """The adapter for `config.name`, not yet set up."""
-    adapter = engine(config.name).adapter
+def adapter_class(record: Engine) -> type:
+    """The engine's adapter class (its module imported now)."""
+    adapter = record.adapter
     if isinstance(adapter, str):
         module_name, _, attribute = adapter.partition(":")
         adapter = getattr(importlib.import_module(module_name), attribute)
-    return adapter(config)
+    return adapter
 
 
-__all__ = ["Engine", "Strategy", "check_cluster", "check_name", "create", "engine", "engines",
+def create(config: StrategyConfig) -> Strategy:
+    """The adapter for `config.name`, not yet set up."""
+    return adapter_class(engine(config.name))(config)
+
+
+__all__ = ["Engine", "Strategy", "adapter_class", "check_cluster", "check_name", "create", "engine", "engines",
            "names", "register", "unregister"]

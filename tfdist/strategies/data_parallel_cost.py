@@ -30,7 +30,7 @@ class OneDevice:
 
     def estimate(self, facts: Facts, options: dict) -> Estimate:
         batch, precision = facts.global_batch, options["precision"]
-        memory = {**base_terms(facts, self.family),
+        memory = {**base_terms(facts, self.family, options["jit_compile"]),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(batch / options["accum_steps"],
                                                         precision)}
@@ -53,7 +53,7 @@ class LocalReplicas:
         devices = options["virtual_devices"]
         batch, precision = facts.global_batch, options["precision"]
         copies = float(devices)
-        memory = {**base_terms(facts, self.family),
+        memory = {**base_terms(facts, self.family, options["jit_compile"]),
                   **state(facts, copies, copies, copies, copies * _accumulator(options)),
                   "activations": facts.activation_bytes(batch / options["accum_steps"],
                                                         precision)}
@@ -80,7 +80,7 @@ class ReplicaPerProcess:
         host = facts.host
         workers, precision = host.processes, options["precision"]
         per_worker = facts.global_batch / workers
-        memory = {**base_terms(facts, self.family),
+        memory = {**base_terms(facts, self.family, options["jit_compile"]),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(per_worker / options["accum_steps"],
                                                         precision)}

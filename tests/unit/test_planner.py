@@ -1,0 +1,161 @@
+"""The planner's model of memory and its search, in one process: each
+engine's predicted placement against the engine's own, the candidates
+against the engines' own checks, and the planner's bad input. Trials and
+predictions against measured peaks: tests/integration/test_plan.py."""
+
+import dataclasses
+import math
+
+import pytest
+
+import tfdist
+from tfdist import models, strategies
+from tfdist.data.function_inputs import FunctionInputs
+from tfdist.errors import UsageError
+from tfdist.pipeline import schedule as schedules
+from tfdist.planner import costs, functions, parse_size, profile, search
+from tfdist.training import xla
+from common import IMAGE_SPEC, image_dataset_fn, run_config
+
+SPEC = dataclasses.replace(IMAGE_SPEC, num_classes=8)   # every dimension divides 4
+MODEL = tfdist.ModelConfig(name="mlp", width=16, depth=2)
+
+
+def build_mlp(spec):
+    return models.build(MODEL, spec)
+
+
+@pytest.fixture(scope="module")
+def facts():
+    """The bundled mlp's facts, read from the built model, with a made-up
+    calibration (these tests check the arithmetic over it, not a measurement)."""
+    config = run_config(optimizer="adam", batch=32).replace(model=MODEL)
+    model = profile.model_facts(config, FunctionInputs(image_dataset_fn, SPEC), build_mlp,
+                                models.layout_rules(MODEL))
+    calibration = costs.Calibration(points=((8, 600e6), (16, 610e6)),
+                                    rates={("float32", "off"): 1000.0, ("float32", "on"): 1500.0},
+                                    baselines={"default": 500e6, "dtensor": 560e6},
+                                    times=((8, 0.010), (16, 0.018)))
+    host = costs.Host(cpu="test", cores=2, memory_budget=8 * costs.GiB, devices=4)
+    return costs.Facts(model=model, calibration=calibration, host=host, global_batch=32)
+
+
+def test_the_model_facts_are_the_built_models(facts):
+    model = build_mlp(SPEC)
+    assert facts.model.parameters == model.count_params()
+    assert facts.model.param_bytes == 4 * model.count_params()
+    assert facts.model.slot_ratio == pytest.approx(2.0)    # Adam: two slots per variable
+    assert facts.model.flops_per_example > 0
+    assert all(isinstance(facts.model.splits[s], list) for s in (2,))
+
+
+@pytest.mark.parametrize("mesh,stage", [("batch:2,model:2", 0), ("batch:2,model:2", 1),
+                                        ("batch:2,model:2", 2), ("batch:2,model:2", 3),
+                                        ("batch:4,model:1", 3)])
+def test_dtensor_cost_places_state_as_the_engine_does(facts, mesh, stage):
+    """The cost model's bytes per device of variables, gradients and slots
+    equal what the engine reports for its own placement (`layout_rows`)."""
+    config = run_config("dtensor", optimizer="adam", batch=32).replace(
+        model=MODEL, strategy=tfdist.StrategyConfig(name="dtensor", virtual_devices=4,
+                                                    mesh=mesh, zero_stage=stage))
+    rows = tfdist.layout_rows(config, model_fn=build_mlp, dataset_fn=image_dataset_fn, spec=SPEC,
+                              layout_rules=models.layout_rules(MODEL))
+    engine = {kind: sum(r["device_bytes"] for r in rows if r["kind"] == kind and r["shape"])
+              for kind in ("variable", "gradient", "slot")}
+    model = search.cost_model(strategies.engine("dtensor"))
+    predicted = model._per_device(facts, mesh, stage)
+    assert predicted["parameters"] == pytest.approx(engine["variable"], rel=1e-9)
+    assert predicted["gradients"] == pytest.approx(engine["gradient"], rel=1e-9)
+    assert predicted["slots"] == pytest.approx(engine["slot"], rel=1e-9)
+
+
+def test_pipeline_cost_holds_each_stage_once_and_1f1b_less_than_gpipe(facts):
+    model = search.cost_model(strategies.engine("pipeline"))
+    options = dict(pipeline_stages=2, pipeline_chunks=1, pipeline_schedule="1f1b",
+                   accum_steps=8, zero_stage=0, virtual_devices=2, precision="float32",
+                   jit_compile="off")
+    two = dataclasses.replace(facts, host=dataclasses.replace(facts.host, devices=2))
+    one_f_one_b = model.estimate(two, options)
+    gpipe = model.estimate(two, {**options, "pipeline_schedule": "gpipe"})
+    assert one_f_one_b.memory["parameters"] == pytest.approx(two.model.param_bytes)
+    # 1F1B holds at most S micro-batches per stage, GPipe all M: less in flight.
+    assert one_f_one_b.memory["activations"] < gpipe.memory["activations"]
+    assert one_f_one_b.time["bubble"] / one_f_one_b.time["compute"] == pytest.approx(
+        schedules.bubble(2, 8) / (1 - schedules.bubble(2, 8)))
+
+
+def _candidates(facts, lossy):
+    return search.enumerate_candidates(facts, lossy)
+
+
+def test_candidates_pass_the_engines_own_checks(facts):
+    """Every candidate the search proposes is a configuration its engine
+    accepts: the run configuration's own field checks and the engine's XLA
+    check (the same functions `tfdist-train` runs)."""
+    config = run_config(batch=32).replace(model=MODEL)
+    found = [c for c in _candidates(facts, lossy=True) if not c.dropped]
+    assert {c.engine for c in found} >= {"default", "mirrored", "dtensor", "pipeline"}
+    for candidate in found:
+        planned = search.apply(config, candidate.engine, candidate.options)
+        assert planned.strategy.name == candidate.engine
+        xla.check(planned.train.jit_compile, strategies.adapter_class(
+            strategies.engine(candidate.engine)))
+
+
+def test_lossless_unless_asked(facts):
+    lossless = _candidates(facts, lossy=False)
+    assert {c.options["precision"] for c in lossless} == {"float32"}
+    assert all(c.lossless for c in lossless)
+    lossy = _candidates(facts, lossy=True)
+    assert "mixed_bfloat16" in {c.options["precision"] for c in lossy}   # the control
+
+
+def test_a_budget_no_candidate_fits_names_the_closest_and_the_shortfall(facts):
+    small = dataclasses.replace(facts, host=dataclasses.replace(facts.host,
+                                                                memory_budget=100 * 2**20))
+    found = _candidates(small, lossy=False)
+    assert found and all(c.dropped for c in found)
+    message = str(search.too_small(found, small.host.memory_budget))
+    closest = min(found, key=lambda c: c.estimate.peak_bytes)
+    assert closest.describe() in message and "MiB more" in message
+    shortfall = (closest.estimate.peak_bytes - small.host.memory_budget) / 2**20
+    assert f"({shortfall:.0f} MiB more)" in message
+
+
+def test_a_candidate_over_the_budget_is_dropped_with_its_reason(facts):
+    found = _candidates(facts, lossy=False)
+    budget = sorted(c.estimate.peak_bytes for c in found if c.estimate)[len(found) // 2]
+    tight = dataclasses.replace(facts, host=dataclasses.replace(facts.host,
+                                                                memory_budget=budget))
+    kept = _candidates(tight, lossy=False)
+    over = [c for c in kept if c.estimate and c.estimate.peak_bytes > budget]
+    assert over and all("over the budget" in c.dropped for c in over)
+    assert all(not c.dropped for c in kept if c.estimate and c.estimate.peak_bytes <= budget)
+
+
+def test_the_users_functions_are_named_for_trial_processes():
+    ref = functions.reference(build_mlp, "model_fn")
+    assert functions.resolve(ref) is build_mlp
+    with pytest.raises(UsageError, match="module-level function"):
+        functions.reference(lambda spec: None, "model_fn")
+    rules = models.layout_rules(MODEL)
+    record = functions.rules_record(rules)
+    assert list(functions.layout_rules(record)) == [(p, tuple(s)) for p, s in rules]
+
+
+@pytest.mark.parametrize("text,expected", [("6G", 6 * 2**30), ("1500M", 1500 * 2**20),
+                                           ("2GiB", 2 * 2**30), ("1048576", 2**20)])
+def test_sizes(text, expected):
+    assert parse_size(text, "--memory_budget") == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-1G", "1K", "nanG", "infG"])
+def test_bad_sizes(text):
+    with pytest.raises(UsageError, match="--memory_budget"):
+        parse_size(text, "--memory_budget")
+
+
+def test_the_step_overhead_is_the_intercept_of_the_two_step_times(facts):
+    # 10 ms at 8, 18 ms at 16: 1 ms per example, 2 ms whatever the batch.
+    assert facts.step_overhead() == pytest.approx(0.002)
+    assert math.isfinite(facts.compute_seconds(32, "float32", "off"))
