@@ -199,8 +199,10 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
         calibration = calibrate.measure(config, steps, allow_lossy, functions, log, scratch,
                                         timeout=max(60.0, search_seconds / 2))
         families = ["default", "mirrored", "dtensor", "pipeline"]
-        calibration.baselines = calibrate.baselines(families, host.devices, log, scratch,
-                                                    timeout=60.0)
+        kind = None if dataset_fn else inputs.spec.kind
+        calibration.baselines = calibrate.baselines(
+            families, host.devices, calibrate.tiny_flags(config, kind), log, scratch,
+            timeout=120.0)
         facts = Facts(model=model, calibration=calibration, host=host,
                       global_batch=config.train.global_batch_size,
                       precision=config.train.precision)
