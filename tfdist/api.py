@@ -254,6 +254,19 @@ def _task(config: RunConfig, strategy, model, inputs, loss, metrics) -> Task:
     return task
 
 
+def built(model, inputs):
+    """`model` with its variables: a subclassed model a `model_fn` returns
+    unbuilt is called once on symbolic inputs of the data's shapes (as Keras
+    `fit` does), so the optimizer, the layouts and the checkpoint see its
+    variables before the first step."""
+    if model.weights:
+        return model
+    signature = _example_signature(inputs)
+    model(tf.nest.map_structure(lambda s: keras.KerasTensor((None, *s.shape[1:]), s.dtype),
+                                signature))
+    return model
+
+
 def _example_signature(inputs):
     """`tf.TensorSpec`s of one training example's features, batch 1."""
     x_spec = inputs.examples("train", tf.distribute.InputContext()).element_spec[0]
@@ -274,7 +287,8 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     def build():
         keras.utils.set_random_seed(config.train.seed)
         with precision.policy_scope():
-            return model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+            model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
+            return built(model, inputs)
 
     with strategy.scope():
         model = pipeline.build_model(build) if pipeline else build()
@@ -302,12 +316,13 @@ def _inputs(config: RunConfig, dataset_fn, spec):
     return tfds_inputs.load(config.data, model_dir=config.train.model_dir)
 
 
-def _serving_model(config: RunConfig, model_fn, spec) -> keras.Model:
+def _serving_model(config: RunConfig, model_fn, inputs) -> keras.Model:
     """A fresh copy of the model outside any engine, under the run's precision
     policy, for export (its weights are then set from the trained model)."""
     precision = Precision(config.train.precision)
     with precision.policy_scope():
-        return model_fn(spec) if model_fn else models.build(config.model, spec)
+        return built(model_fn(inputs.spec) if model_fn
+                     else models.build(config.model, inputs.spec), inputs)
 
 
 def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
@@ -452,7 +467,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         raise WorkerFault(strategy.describe_fault(error)) from error
     summary = summary_lib.run_summary(config, controller, inputs, metrics, peak_lr=peak_lr)
     return _finish(config, strategy, model, optimizer, summary, task,
-                   lambda: _serving_model(config, model_fn, inputs.spec))
+                   lambda: _serving_model(config, model_fn, inputs))
 
 
 def _finish(config, strategy, model, optimizer, summary, task, rebuild) -> RunResult:

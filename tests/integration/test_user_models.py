@@ -427,3 +427,35 @@ def test_fine_tunes_from_weights_saved_with_plain_keras(llama_reference, tmp_pat
                           model_fn=model_fn, dataset_fn=token_dataset_fn_for(LLAMA_TOKENS),
                           spec=LLAMA_TOKENS)
     _assert_matches(result, reference, initial)
+
+
+class Unbuilt(keras.Model):
+    """Subclassed, with no `build`: its variables exist only once it is called."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(IMAGES.num_classes)
+
+    def call(self, x):
+        return self.out(self.hidden(keras.ops.reshape(x, (-1, 8 * 8 * 4))))
+
+
+def _unbuilt_model(spec):
+    keras.utils.set_random_seed(5)
+    return Unbuilt()
+
+
+@pytest.mark.parametrize("strategy,mesh,zero", [("mirrored", None, 0),
+                                                ("dtensor", "batch:4,model:1", 3)])
+def test_a_subclassed_model_returned_unbuilt_trains_like_one_device(strategy, mesh, zero):
+    """A `model_fn` returning a subclassed model before its first call (as
+    `fit` accepts): tfdist builds it on the data's shapes before the
+    optimizer, so every engine starts from the same variables."""
+    runs = [tfdist.train(c, model_fn=_unbuilt_model, dataset_fn=image_dataset_fn, spec=IMAGES)
+            for c in (_config("default"), _config(strategy, mesh, zero))]
+    start = _unbuilt_model(IMAGES)
+    start(keras.KerasTensor((None, *IMAGES.input_shape)))
+    initial = start.get_weights()
+    assert len(runs[0].model.get_weights()) == len(initial) == 4
+    _assert_matches(runs[1], runs[0], initial)

@@ -118,11 +118,12 @@ def try_forward_flops_by_op(model, data_signature=None) -> Optional[dict]:
     """`forward_flops_by_op`, or None (with one warning line). Where the
     model's own inputs leave a dimension open (keras-hub's sequence length)
     and `data_signature()` gives one example of the data (`tf.TensorSpec`s,
-    batch 1), the FLOPs are counted for the data's shapes."""
+    batch 1), or the model has no symbolic inputs (subclassed), the FLOPs
+    are counted for the data's shapes."""
     from tfdist import compat
     try:
-        signature = data_signature() if data_signature is not None and \
-            _leaves_a_length_open(model) else None
+        signature = data_signature() if data_signature is not None and (
+            _leaves_a_length_open(model) or not getattr(model, "inputs", None)) else None
         with compat.keras_name_scopes_restored():   # a failed trace leaves its scope
             return forward_flops_by_op(model, signature)
     except Exception as error:  # noqa: BLE001 - whatever fails, the run goes on
