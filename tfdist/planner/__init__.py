@@ -181,7 +181,8 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
         raise UsageError(f"--plan_trials={trials}: at least one trial")
     functions = {"model_fn": functions_lib.reference(model_fn, "model_fn"),
                  "dataset_fn": functions_lib.reference(dataset_fn, "dataset_fn"),
-                 "layout_rules": functions_lib.rules_record(layout_rules)}
+                 "layout_rules": functions_lib.rules_record(layout_rules),
+                 "spec": functions_lib.spec_record(spec)}
     if spec is not None and dataset_fn is None:
         raise UsageError("spec= is the shape of dataset_fn's data; give dataset_fn too")
     host = host_facts(config, memory_budget, processes, allow_lossy)
@@ -199,9 +200,8 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
         calibration = calibrate.measure(config, steps, allow_lossy, functions, log, scratch,
                                         timeout=max(60.0, search_seconds / 2))
         families = ["default", "mirrored", "dtensor", "pipeline"]
-        kind = None if dataset_fn else inputs.spec.kind
         calibration.baselines = calibrate.baselines(
-            families, host.devices, calibrate.tiny_flags(config, kind), log, scratch,
+            families, host.devices, config, inputs.spec.kind, functions, log, scratch,
             timeout=120.0)
         facts = Facts(model=model, calibration=calibration, host=host,
                       global_batch=config.train.global_batch_size,

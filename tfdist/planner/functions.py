@@ -75,3 +75,16 @@ def layout_rules(record: Optional[dict]):
     from tfdist import sharding
     return sharding.LayoutRules([(p, tuple(s)) for p, s in record["rules"]],
                                 match=record["match"])
+
+
+def spec_record(spec) -> Optional[dict]:
+    """A `DatasetSpec` as JSON for a trial."""
+    import dataclasses
+    return None if spec is None else dataclasses.asdict(spec)
+
+
+def dataset_spec(record: Optional[dict]):
+    if not record:
+        return None
+    from tfdist.data.spec import DatasetSpec
+    return DatasetSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items()})

@@ -10,7 +10,7 @@ import hashlib
 import keras
 import tensorflow as tf
 
-from tfdist import models, sharding
+from tfdist import api, models, sharding
 from tfdist.config import RunConfig
 from tfdist.errors import UsageError
 from tfdist.observe import flops as flops_lib
@@ -27,10 +27,9 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
     """Build the run's model and optimizer under float32 and read their facts."""
     keras.utils.set_random_seed(config.train.seed)
     with Precision("float32").policy_scope():
-        model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
-        signature = _example_signature(inputs)
-        if not model.built or not model.weights:
-            model(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), signature))
+        model = api.built(model_fn(inputs.spec) if model_fn
+                          else models.build(config.model, inputs.spec), inputs)
+        signature = api._example_signature(inputs)
         optimizer = optimizers.create(config.optimizer,
                                       global_batch_size=config.train.global_batch_size,
                                       total_steps=1)
@@ -66,11 +65,6 @@ def _splits(model, signature) -> dict:
         except UsageError as error:
             splits[stages] = str(error)
     return splits
-
-
-def _example_signature(inputs):
-    x_spec = inputs.examples("train", tf.distribute.InputContext()).element_spec[0]
-    return tf.nest.map_structure(lambda s: tf.TensorSpec([1, *s.shape], s.dtype), x_spec)
 
 
 def _signature(model, variables) -> str:

@@ -49,6 +49,7 @@ def main(argv: list[str]) -> int:
     model_fn = functions.resolve(spec.get("model_fn"))
     dataset_fn = functions.resolve(spec.get("dataset_fn"))
     layout_rules = functions.layout_rules(spec.get("layout_rules"))
+    data_spec = functions.dataset_spec(spec.get("spec"))
     from tfdist import api
     from tfdist.errors import UsageError
     task = _task_index()
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
         except absl_flags.Error as error:
             raise UsageError(f"trial flags: {error}") from None
         config = tfdist_flags.run_config()
-        result = api.train(config, model_fn=model_fn, dataset_fn=dataset_fn,
+        result = api.train(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=data_spec,
                            layout_rules=layout_rules)
         summary = result.summary or {}
         record = {"examples_per_sec": summary.get("examples_per_sec"),
