@@ -216,7 +216,8 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
             seconds=search_seconds - (time.monotonic() - started), cap=cap_trials, log=log,
             work_dir=scratch,
             trial_runs=lambda c: [calibrate.flags_of(calibrate.trial_config(
-                search_lib.apply(config, c.engine, c.options), steps))])
+                search_lib.apply(config, c.engine, c.options),
+                _trial_steps(c.predicted_seconds())))])
         winner = search_lib.run(search, candidates)
     if winner is None:
         failed = [c for c in candidates if c.trial]
@@ -227,14 +228,26 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
                 seconds=time.monotonic() - started)
 
 
+# A trial times its second loop (the first compiles): long enough that the
+# host's noise is a few percent of it (measured on 2 cores: +-30% over 60 ms,
+# +-5% over a second), short enough for 5-8 trials in the search's minutes.
+TIMED_SECONDS = 1.5
+
+
 def _steps_per_loop(model, host: Host, batch: int) -> int:
-    """A trial's loop: about a second and a half of steps at a third of this
-    host's peak (the first loop compiles and is not timed), 3 to 20 steps."""
+    """The calibration's loop, before anything is measured: about
+    TIMED_SECONDS at a third of this host's matmul peak, 3 to 200 steps."""
     peak = host.peak_flops.get("float32")
     if not (model.flops_per_example and peak):
-        return 5
-    step = model.flops_per_example * batch / (peak / 3)
-    return int(min(20, max(3, math.ceil(1.5 / step))))
+        return 20
+    return _trial_steps(model.flops_per_example * batch / (peak / 3))
+
+
+def _trial_steps(step_seconds: float) -> int:
+    """A trial's loop: about TIMED_SECONDS of steps of `step_seconds`, 3 to 200."""
+    if not (step_seconds and math.isfinite(step_seconds)):
+        return 20
+    return int(min(200, max(3, math.ceil(TIMED_SECONDS / step_seconds))))
 
 
 __all__ = ["Plan", "plan"]

@@ -1,0 +1,93 @@
+"""tfdist-plan and tfdist.plan for real: calibration and trial processes,
+the memory model against each trial's measured peak, the winner's flagfile
+run by tfdist-train, and a budget too small (exit 2, one line). `slow`:
+each plan starts 6-10 processes (about half a minute on 2 cores; the
+engines' runtimes are measured once per session, in its shared cache)."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import BIN, REPO, run_cli
+
+GiB, MiB = 2**30, 2**20
+# The memory rule: within 15% where the predicted bytes above the process's
+# runtime are at least 1 GiB, else within 150 MiB (a small model's peak is
+# mostly TensorFlow's own, whose run-to-run spread is tens of MiB).
+SMALL_MIB = 150
+
+
+def _within_rule(predicted_gib, measured_gib, runtime_bytes):
+    above = predicted_gib * GiB - runtime_bytes
+    allowed = 0.15 * predicted_gib * GiB if above >= GiB else SMALL_MIB * MiB
+    return abs(predicted_gib - measured_gib) * GiB <= allowed
+
+
+def _plan(args, cwd, timeout=600):
+    return subprocess.run([os.path.join(BIN, "tfdist-plan"), *args], cwd=cwd,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_users_subclassed_model_is_planned_by_measurement(tmp_path):
+    """The Python API on a model and data tfdist did not build: trials of
+    each engine, the winner the fastest measured, every tried candidate's
+    predicted peak within the memory rule of its measured peak."""
+    script = os.path.join(REPO, "tests", "plan_user_model.py")
+    done = subprocess.run([os.path.join(BIN, "python"), script, "4", "150"], cwd=tmp_path,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAN ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    plan = json.loads(lines[-1][len("PLAN "):])
+    tried = [r for r in plan["rows"] if r["status"] in ("chosen", "tried")]
+    assert len(tried) >= 3, plan["rows"][:6]
+    assert len({r["candidate"].split()[0] for r in tried}) >= 3   # engines, not variants
+    chosen = [r for r in tried if r["status"] == "chosen"]
+    assert chosen == [max(tried, key=lambda r: r["measured_examples_per_sec"])]
+    for row in tried:
+        assert _within_rule(row["predicted_gib"], row["measured_gib"],
+                            plan["runtime"][row["candidate"]]), row
+    # A subclassed model has no graph to split: no pipeline candidate, and why.
+    assert not any(r["candidate"].startswith("pipeline") for r in plan["rows"])
+    assert all(isinstance(reason, str) for reason in plan["splits"].values())
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_winner_is_a_flagfile_tfdist_train_runs(tmp_path, prepared_data_dir):
+    run = [f"--data_dir={prepared_data_dir}", "--model=mlp", "--model_width=64",
+           "--global_batch_size=64"]
+    planned = _plan([*run, "--plan_trials=2", "--search_seconds=120",
+                     f"--plan_file={tmp_path / 'plan.cfg'}", "--explain"], tmp_path)
+    assert planned.returncode == 0, planned.stderr[-3000:] + planned.stdout[-2000:]
+    chose = [line for line in planned.stdout.splitlines() if " chose " in line]
+    assert len(chose) == 1 and "wrote" in chose[0], planned.stdout[-2000:]
+    assert "time per step, predicted" in planned.stdout        # --explain
+    flags = (tmp_path / "plan.cfg").read_text().split()
+    engine = next(f.split("=", 1)[1] for f in flags if f.startswith("--strategy="))
+    assert chose[0].split(" chose ")[1].startswith(engine)
+    trained = run_cli([f"--flagfile={tmp_path / 'plan.cfg'}", "--train_steps=4",
+                       "--steps_per_loop=2"], cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads(trained.stdout.strip().splitlines()[-1])
+    assert summary["strategy"] == engine
+    for name in ("precision", "global_batch_size"):
+        assert f"--{name}={summary[name]}" in flags
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_budget_no_candidate_fits_exits_2_in_one_line(tmp_path, prepared_data_dir):
+    planned = _plan([f"--data_dir={prepared_data_dir}", "--model=mlp", "--model_width=64",
+                     "--global_batch_size=64", "--memory_budget=64M",
+                     f"--plan_file={tmp_path / 'plan.cfg'}"], tmp_path)
+    assert planned.returncode == 2, planned.stderr[-3000:]
+    errors = [line for line in planned.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--memory_budget=" in errors[0] and "MiB more" in errors[0], \
+        planned.stderr[-2000:]
+    assert not (tmp_path / "plan.cfg").exists()
