@@ -254,25 +254,6 @@ def _task(config: RunConfig, strategy, model, inputs, loss, metrics) -> Task:
     return task
 
 
-def built(model, inputs):
-    """`model` with its variables: a subclassed model a `model_fn` returns
-    unbuilt is called once on symbolic inputs of the data's shapes (as Keras
-    `fit` does), so the optimizer, the layouts and the checkpoint see its
-    variables before the first step."""
-    if model.weights:
-        return model
-    signature = _example_signature(inputs)
-    model(tf.nest.map_structure(lambda s: keras.KerasTensor((None, *s.shape[1:]), s.dtype),
-                                signature))
-    return model
-
-
-def _example_signature(inputs):
-    """`tf.TensorSpec`s of one training example's features, batch 1."""
-    x_spec = inputs.examples("train", tf.distribute.InputContext()).element_spec[0]
-    return tf.nest.map_structure(lambda s: tf.TensorSpec([1, *s.shape], s.dtype), x_spec)
-
-
 def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     """Model and optimizer, built in the engine's scope under the precision policy."""
     if layout_rules is None and model_fn is None:
@@ -288,12 +269,12 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
         keras.utils.set_random_seed(config.train.seed)
         with precision.policy_scope():
             model = model_fn(inputs.spec) if model_fn else models.build(config.model, inputs.spec)
-            return built(model, inputs)
+            return inputs.built(model)
 
     with strategy.scope():
         model = pipeline.build_model(build) if pipeline else build()
         if pipeline:   # stages on their devices, before the optimizer's slots are made
-            pipeline.place_model(model, _example_signature(inputs))
+            pipeline.place_model(model, inputs.example_signature())
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))
@@ -321,8 +302,8 @@ def _serving_model(config: RunConfig, model_fn, inputs) -> keras.Model:
     policy, for export (its weights are then set from the trained model)."""
     precision = Precision(config.train.precision)
     with precision.policy_scope():
-        return built(model_fn(inputs.spec) if model_fn
-                     else models.build(config.model, inputs.spec), inputs)
+        return inputs.built(model_fn(inputs.spec) if model_fn
+                            else models.build(config.model, inputs.spec))
 
 
 def describe_layouts(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
@@ -437,7 +418,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     model, optimizer = _build(config, strategy, model_fn, inputs, steps, layout_rules)
     task = _task(config, strategy, model, inputs, loss, metrics)
 
-    by_op = flops.try_forward_flops_by_op(model, lambda: _example_signature(inputs)) or {}
+    by_op = flops.try_forward_flops_by_op(model, lambda: inputs.example_signature()) or {}
     flops_per_example = flops.TRAINING_PASSES * sum(by_op.values()) or None
     convolution_share = flops.convolution_share(by_op)
     jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share,

@@ -156,7 +156,7 @@ time, trials of the best, a ranked table, and the winner as a flagfile:
 
 
 def _plan_help() -> str:
-    return tfdist_help.program_help(_prog(), description=PLAN_HELP)
+    return tfdist_help.program_help(_prog(), description=PLAN_HELP, planner=True)
 
 
 def run_plan() -> None:

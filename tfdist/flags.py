@@ -116,7 +116,7 @@ _MEMORY_BUDGET = flags.DEFINE_string(
     "limit, else the machine's memory (shared among --plan_workers).")
 _PLAN_TRIALS = flags.DEFINE_integer(
     "plan_trials", 5, "tfdist-plan: the most candidates measured in trial processes.",
-    lower_bound=1, upper_bound=100)
+    lower_bound=1)
 _SEARCH_SECONDS = flags.DEFINE_float(
     "search_seconds", 180.0, "tfdist-plan: the seconds the search may take, measurements "
     "included (no new trial starts after them).", lower_bound=10.0, upper_bound=86400.0)
@@ -132,12 +132,12 @@ _PLAN_FILE = flags.DEFINE_string(
     "(tfdist-train --flagfile=FILE runs it).")
 _PLAN_WORKERS = flags.DEFINE_integer(
     "plan_workers", 1, "tfdist-plan: plan for this many worker processes on this host "
-    "(tfdist-launch --workers=N); 1: one process and its devices.", lower_bound=1,
-    upper_bound=64)
+    "(tfdist-launch --workers=N); 1: one process and its devices.", lower_bound=1)
 _CAP_TRIALS = flags.DEFINE_boolean(
     "cap_trials", False, "tfdist-plan: run each trial under a memory cap of --memory_budget "
     "(tfdist-launch --worker_memory): a candidate that would not fit is OOM-killed, a row "
     "with its reason.")
+PLAN_GROUP = "planner"   # tfdist-plan's
 PLAN_FLAGS = (_MEMORY_BUDGET.name, _PLAN_TRIALS.name, _SEARCH_SECONDS.name, _ALLOW_LOSSY.name,
               _EXPLAIN.name, _PLAN_FILE.name, _PLAN_WORKERS.name, _CAP_TRIALS.name)
 
@@ -146,7 +146,7 @@ PLAN_FLAGS = (_MEMORY_BUDGET.name, _PLAN_TRIALS.name, _SEARCH_SECONDS.name, _ALL
 HELP_GROUPS = {group: tuple(config_lib.flag_name(field) for _, field in config_lib.options()
                             if config_lib.declaration(field).group == group)
                + _CLI_ONLY.get(group, ()) for group in config_lib.GROUPS}
-HELP_GROUPS["planner (tfdist-plan)"] = PLAN_FLAGS
+HELP_GROUPS[PLAN_GROUP] = PLAN_FLAGS
 
 
 @flags.multi_flags_validator(

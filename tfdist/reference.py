@@ -11,9 +11,10 @@ import os
 import subprocess
 import sys
 
-SCRIPTS = ("tfdist-train", "tfdist-launch", "tfdist-compare", "tfdist-export", "tfdist-peak")
+SCRIPTS = ("tfdist-train", "tfdist-plan", "tfdist-launch", "tfdist-compare", "tfdist-export",
+           "tfdist-peak")
 # The public API in the order a user meets it (tfdist.__all__ holds the same names).
-FUNCTIONS = ("train", "export", "load_model", "shard", "describe_layouts", "layout_rows")
+FUNCTIONS = ("train", "plan", "export", "load_model", "shard", "describe_layouts", "layout_rows")
 PARTS = ("RunConfig", "StrategyConfig", "ModelConfig", "DataConfig", "OptimizerConfig",
          "TrainConfig")
 ERRORS = ("ConfigError", "UsageError")

@@ -18,7 +18,7 @@ from tfdist.errors import ConfigError
 from conftest import REPO
 
 REFERENCE = os.path.join(REPO, "docs", "reference", "flags.md")
-COMMAND_LINE_ONLY = {"print_layouts", "print_stages", "microbatches"}
+COMMAND_LINE_ONLY = {"print_layouts", "print_stages", "microbatches", *tfdist_flags.PLAN_FLAGS}
 
 
 def _tfdist_flags():

@@ -51,6 +51,23 @@ class Inputs(abc.ABC):
         nothing to defer: (`examples`, None)."""
         return self.examples(split, context), None
 
+    def example_signature(self):
+        """`tf.TensorSpec`s of one training example's features, batch 1."""
+        x_spec = self.examples("train", tf.distribute.InputContext()).element_spec[0]
+        return tf.nest.map_structure(lambda s: tf.TensorSpec([1, *s.shape], s.dtype), x_spec)
+
+    def built(self, model):
+        """`model` with its variables: a subclassed model a `model_fn` returns
+        unbuilt is called once on symbolic inputs of this data's shapes (as
+        Keras `fit` does), so the optimizer, the layouts and the checkpoint
+        see its variables before the first step."""
+        if not model.weights:
+            import keras
+            model(tf.nest.map_structure(
+                lambda s: keras.KerasTensor((None, *s.shape[1:]), s.dtype),
+                self.example_signature()))
+        return model
+
     def check_sharding(self, num_pipelines: int) -> None:
         """Raise `UsageError` before training if the input cannot be split this way."""
 

@@ -13,9 +13,11 @@ import dataclasses
 import math
 import os
 import tempfile
+import time
 from typing import Callable, Optional
 
 from tfdist import config as config_lib
+from tfdist import strategies
 from tfdist.config import RunConfig
 from tfdist.errors import UsageError
 from tfdist.observe import hardware
@@ -170,42 +172,18 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
     """Choose the engine and options for `config`'s model, data and global
     batch on this host (`processes` local worker processes). Raises
     `UsageError` for bad input and for a budget no candidate fits."""
-    import time
-
-    from tfdist import api
-    from tfdist.planner import calibrate, profile   # TensorFlow loads here
     started = time.monotonic()
-    if memory_budget is not None and memory_budget <= 0:
-        raise UsageError(f"--memory_budget={memory_budget}: must be a positive size")
-    if trials < 1:
-        raise UsageError(f"--plan_trials={trials}: at least one trial")
+    _check(memory_budget, trials, spec, dataset_fn)
     functions = {"model_fn": functions_lib.reference(model_fn, "model_fn"),
                  "dataset_fn": functions_lib.reference(dataset_fn, "dataset_fn"),
                  "layout_rules": functions_lib.rules_record(layout_rules),
                  "spec": functions_lib.spec_record(spec)}
-    if spec is not None and dataset_fn is None:
-        raise UsageError("spec= is the shape of dataset_fn's data; give dataset_fn too")
     host = host_facts(config, memory_budget, processes, allow_lossy)
     log(f"planning on {host.cpu}, {host.cores} cores, {host.devices} devices per process, "
         f"{processes} process(es), memory budget {host.memory_budget / GiB:.2f} GiB per process")
-    inputs = api._inputs(config, dataset_fn, spec)
-    model = profile.model_facts(config, inputs, model_fn, layout_rules)
-    log(f"model {model.name}: {model.parameters:,} parameters, "
-        f"{model.param_bytes / GiB:.3f} GiB (+ gradients and optimizer slots: "
-        f"{model.trainable_bytes * (1 + model.slot_ratio) / GiB:.3f} GiB), "
-        + (f"{model.flops_per_example / 1e6:,.1f} MFLOP per example" if model.flops_per_example
-           else "FLOPs not countable"))
     with tempfile.TemporaryDirectory(prefix="tfdist-plan-", dir=work_dir) as scratch:
-        steps = _steps_per_loop(model, host, config.train.global_batch_size)
-        calibration = calibrate.measure(config, steps, allow_lossy, functions, log, scratch,
-                                        timeout=max(60.0, search_seconds / 2))
-        families = ["default", "mirrored", "dtensor", "pipeline"]
-        calibration.baselines = calibrate.baselines(
-            families, host.devices, config, inputs.spec.kind, functions, log, scratch,
-            timeout=120.0)
-        facts = Facts(model=model, calibration=calibration, host=host,
-                      global_batch=config.train.global_batch_size,
-                      precision=config.train.precision)
+        facts = _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules,
+                                functions, allow_lossy, search_seconds, log, scratch)
         candidates = search_lib.enumerate_candidates(facts, allow_lossy)
         if not search_lib.rank(candidates):
             raise search_lib.too_small(candidates, host.memory_budget)
@@ -215,9 +193,7 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
             config=config, facts=facts, functions=functions, trials=trials,
             seconds=search_seconds - (time.monotonic() - started), cap=cap_trials, log=log,
             work_dir=scratch,
-            trial_runs=lambda c: [calibrate.flags_of(calibrate.trial_config(
-                search_lib.apply(config, c.engine, c.options),
-                _trial_steps(c.predicted_seconds())))])
+            trial_runs=lambda c: [calibrate_flags(config, c)])
         winner = search_lib.run(search, candidates)
     if winner is None:
         failed = [c for c in candidates if c.trial]
@@ -226,6 +202,52 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
                             else "none ran"))
     return Plan(config=config, facts=facts, candidates=candidates, winner=winner,
                 seconds=time.monotonic() - started)
+
+
+def _check(memory_budget, trials, spec, dataset_fn) -> None:
+    if memory_budget is not None and memory_budget <= 0:
+        raise UsageError(f"--memory_budget={memory_budget}: must be a positive size")
+    if trials < 1:
+        raise UsageError(f"--plan_trials={trials}: at least one trial")
+    if spec is not None and dataset_fn is None:
+        raise UsageError("spec= is the shape of dataset_fn's data; give dataset_fn too")
+
+
+def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, functions,
+                    allow_lossy, search_seconds, log, scratch) -> Facts:
+    """The model's facts, its one-device measurements and each engine
+    family's runtime (the processes this starts are the calibration)."""
+    from tfdist import api
+    from tfdist.planner import calibrate, profile   # TensorFlow loads here
+    inputs = api._inputs(config, dataset_fn, spec)
+    model = profile.model_facts(config, inputs, model_fn, layout_rules)
+    log(f"model {model.name}: {model.parameters:,} parameters, "
+        f"{model.param_bytes / GiB:.3f} GiB (+ gradients and optimizer slots: "
+        f"{model.trainable_bytes * (1 + model.slot_ratio) / GiB:.3f} GiB), "
+        + (f"{model.flops_per_example / 1e6:,.1f} MFLOP per example" if model.flops_per_example
+           else "FLOPs not countable"))
+    steps = _steps_per_loop(model, host, config.train.global_batch_size)
+    calibration = calibrate.measure(config, steps, allow_lossy, functions, log, scratch,
+                                    timeout=max(60.0, search_seconds / 2))
+    families = {}
+    for engine in strategies.engines():
+        cost = search_lib.cost_model(engine)
+        flags = cost.runtime_flags(host.devices) if cost else None
+        if flags:
+            families.setdefault(cost.family, flags)
+    calibration.baselines = calibrate.baselines(families, host.devices, config,
+                                                inputs.spec.kind, functions, log, scratch,
+                                                timeout=120.0)
+    return Facts(model=model, calibration=calibration, host=host,
+                 global_batch=config.train.global_batch_size, precision=config.train.precision)
+
+
+def calibrate_flags(config: RunConfig, candidate: Candidate) -> list:
+    """The flags of `candidate`'s trial run: its configuration, made a trial's."""
+    from tfdist.planner import calibrate
+    return calibrate.flags_of(calibrate.trial_config(
+        search_lib.apply(config, candidate.engine, candidate.options),
+        _trial_steps(candidate.predicted_seconds())))
 
 
 # A trial times its second loop (the first compiles): long enough that the

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfdist import strategies
 from tfdist.config import RunConfig, as_flags
 from tfdist.errors import UsageError
 from tfdist.observe import hardware
@@ -51,7 +52,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
 
     def run(precision, jit, size):
         one = config.replace(
-            strategy=dataclasses.replace(config.strategy, name="default", virtual_devices=1),
+            strategy=dataclasses.replace(config.strategy, name=strategies.REFERENCE,
+                                         virtual_devices=1),
             train=dataclasses.replace(config.train, precision=precision, jit_compile=jit,
                                       global_batch_size=size, accum_steps=1))
         return flags_of(trial_config(one, steps_per_loop))
@@ -94,14 +96,6 @@ def _describe(flags: list) -> str:
 
 # -- each engine family's runtime --------------------------------------------------
 
-FAMILY_FLAGS = {
-    "default": ["--strategy=default", "--virtual_devices=1"],
-    "mirrored": ["--strategy=mirrored"],
-    "dtensor": ["--strategy=dtensor", "--mesh=batch:{devices},model:1"],
-    "pipeline": ["--strategy=pipeline", "--pipeline_stages=2", "--microbatches=2"],
-}
-
-
 def tiny_model(spec):
     """A tiny model for `spec`'s data (a user's `dataset_fn`): flattened
     inputs, one hidden layer."""
@@ -127,23 +121,21 @@ def _tiny(config: RunConfig, kind: str, functions: dict) -> tuple:
     return TINY + data + shorter + [f"--model={TINY_MODEL.get(kind, 'mlp')}"], {}
 
 
-def baselines(families: list, devices: int, config: RunConfig, kind: str, functions: dict,
+def baselines(families: dict, devices: int, config: RunConfig, kind: str, functions: dict,
               log: Callable, work_dir: Optional[str], timeout: float) -> dict:
     """family -> peak resident bytes of a tiny model on the run's data under it
-    (cached per host, versions and data)."""
+    (cached per host, versions and data); `families`: family -> its engine's
+    flags for the tiny run."""
     tiny, tiny_functions = _tiny(config, kind, functions)
     data = (json.dumps(functions["dataset_fn"], sort_keys=True) if functions.get("dataset_fn")
             else " ".join(sorted(tiny)))
     key = _cache_key(devices) + "|" + data
     cache = _read_cache()
     found = dict(cache.get(key, {}))
-    missing = [f for f in families if f not in found and f in FAMILY_FLAGS]
+    missing = [f for f in families if f not in found]
     for family in missing:
         log(f"measuring the {family} engine's runtime (a tiny model; cached for this host)")
-        flags = [f.format(devices=devices) for f in FAMILY_FLAGS[family]]
-        if family != "default":
-            flags.append(f"--virtual_devices={devices}")
-        result = trials_lib.run([tiny + flags], functions=tiny_functions, timeout=timeout,
+        result = trials_lib.run([tiny + families[family]], functions=tiny_functions, timeout=timeout,
                                 work_dir=work_dir)
         if result.ok:
             found[family] = result.peaks[0]

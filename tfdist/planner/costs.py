@@ -26,6 +26,10 @@ import dataclasses
 import math
 from typing import Iterable, Optional
 
+# The engine the calibration runs on (one device), whose runtime the others'
+# are measured against.
+from tfdist.strategies import REFERENCE
+
 GiB = 2**30
 MiB = 2**20
 
@@ -147,8 +151,8 @@ class Facts:
         tiny model)."""
         one_device = self.calibration.intercept() - self.state_total()
         baselines = self.calibration.baselines
-        extra = baselines.get(family, baselines.get("default", 0)) - baselines.get("default", 0)
-        return max(0.0, one_device) + max(0.0, extra)
+        reference = baselines.get(REFERENCE, 0)
+        return max(0.0, one_device) + max(0.0, baselines.get(family, reference) - reference)
 
     def state_total(self) -> float:
         model = self.model
@@ -222,7 +226,7 @@ class Estimate:
     memory: dict
     time: dict
     processes: int = 1
-    family: str = "default"      # the runtime whose resident baseline applies
+    family: str = REFERENCE      # the runtime whose resident baseline applies
     notes: tuple = ()
 
     @property

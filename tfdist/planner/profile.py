@@ -10,7 +10,7 @@ import hashlib
 import keras
 import tensorflow as tf
 
-from tfdist import api, models, sharding
+from tfdist import models, sharding
 from tfdist.config import RunConfig
 from tfdist.errors import UsageError
 from tfdist.observe import flops as flops_lib
@@ -27,9 +27,9 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
     """Build the run's model and optimizer under float32 and read their facts."""
     keras.utils.set_random_seed(config.train.seed)
     with Precision("float32").policy_scope():
-        model = api.built(model_fn(inputs.spec) if model_fn
-                          else models.build(config.model, inputs.spec), inputs)
-        signature = api._example_signature(inputs)
+        model = inputs.built(model_fn(inputs.spec) if model_fn
+                             else models.build(config.model, inputs.spec))
+        signature = inputs.example_signature()
         optimizer = optimizers.create(config.optimizer,
                                       global_batch_size=config.train.global_batch_size,
                                       total_steps=1)

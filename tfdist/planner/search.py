@@ -147,7 +147,7 @@ def enumerate_candidates(facts: Facts, lossy: bool) -> list:
 def _estimated(candidate: Candidate, model, facts: Facts) -> Candidate:
     options = candidate.options
     batch, accum = facts.global_batch, options["accum_steps"]
-    replicas = _replicas(candidate, facts)
+    replicas = model.replicas(facts, options)
     if batch % (replicas * accum):
         candidate.dropped = (f"the global batch {batch} does not divide into {replicas} "
                              f"replica(s) x {accum} micro-batch(es)")
@@ -161,19 +161,6 @@ def _estimated(candidate: Candidate, model, facts: Facts) -> Candidate:
         candidate.dropped = (f"predicted {candidate.estimate.peak_bytes / GiB:.2f} GiB per "
                              f"process, over the budget of {budget / GiB:.2f} GiB")
     return candidate
-
-
-def _replicas(candidate: Candidate, facts: Facts) -> int:
-    """Data-parallel replicas the global batch is split over."""
-    options = candidate.options
-    if "mesh" in options:
-        return dict(sharding.parse_mesh(options["mesh"]))[sharding.BATCH]
-    if "pipeline_stages" in options:
-        positions = facts.host.processes if facts.host.processes > 1 else facts.host.devices
-        return positions // options["pipeline_stages"]
-    if facts.host.processes > 1:
-        return facts.host.processes
-    return options.get("virtual_devices", 1) if candidate.engine != "default" else 1
 
 
 @dataclasses.dataclass

@@ -24,6 +24,15 @@ class OneDevice:
 
     family = "default"
 
+    @staticmethod
+    def runtime_flags(devices: int) -> list:
+        """The engine's flags for a tiny run measuring its runtime's memory."""
+        return ["--strategy=default", "--virtual_devices=1"]
+
+    @staticmethod
+    def replicas(facts: Facts, options: dict) -> int:
+        return 1
+
     def candidates(self, facts: Facts):
         if facts.host.processes == 1:
             yield {}
@@ -44,6 +53,14 @@ class LocalReplicas:
     gradients all-reduced among them (memory copies)."""
 
     family = "mirrored"
+
+    @staticmethod
+    def runtime_flags(devices: int) -> list:
+        return ["--strategy=mirrored", f"--virtual_devices={devices}"]
+
+    @staticmethod
+    def replicas(facts: Facts, options: dict) -> int:
+        return options["virtual_devices"]
 
     def candidates(self, facts: Facts):
         if facts.host.processes == 1 and facts.host.devices > 1:
@@ -71,6 +88,13 @@ class ReplicaPerProcess:
 
     def __init__(self, family: str):
         self.family = family
+
+    def runtime_flags(self, devices: int):
+        return None   # measured with a cluster (not yet: the one-device runtime applies)
+
+    @staticmethod
+    def replicas(facts: Facts, options: dict) -> int:
+        return facts.host.processes
 
     def candidates(self, facts: Facts):
         if facts.host.processes > 1:

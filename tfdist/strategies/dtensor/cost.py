@@ -21,6 +21,15 @@ def _shards(spec, axes: dict) -> int:
 class TensorSharding:
     family = "dtensor"
 
+    @staticmethod
+    def runtime_flags(devices: int) -> list:
+        return ["--strategy=dtensor", f"--mesh=batch:{devices},model:1",
+                f"--virtual_devices={devices}"]
+
+    @staticmethod
+    def replicas(facts: Facts, options: dict) -> int:
+        return dict(sharding.parse_mesh(options["mesh"]))[sharding.BATCH]
+
     def candidates(self, facts: Facts):
         """Every mesh of this process's devices (times the cluster's processes)
         the layout rules allow, at every ZeRO stage that splits something."""

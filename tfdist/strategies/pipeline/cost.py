@@ -17,6 +17,18 @@ CHUNKS = (1, 2)
 class Stages:
     family = "pipeline"
 
+    @staticmethod
+    def runtime_flags(devices: int) -> list:
+        return ["--strategy=pipeline", "--pipeline_stages=2", "--microbatches=2",
+                f"--virtual_devices={devices}"]
+
+    @staticmethod
+    def replicas(facts: Facts, options: dict) -> int:
+        """Pipeline replicas: the positions (devices, or processes) over S."""
+        host = facts.host
+        positions = host.processes if host.processes > 1 else host.devices
+        return positions // options["pipeline_stages"]
+
     def candidates(self, facts: Facts):
         host = facts.host
         positions = host.processes if host.processes > 1 else host.devices
