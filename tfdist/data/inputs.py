@@ -58,14 +58,13 @@ class Inputs(abc.ABC):
 
     def built(self, model):
         """`model` with its variables: a subclassed model a `model_fn` returns
-        unbuilt is called once on symbolic inputs of this data's shapes (as
-        Keras `fit` does), so the optimizer, the layouts and the checkpoint
-        see its variables before the first step."""
+        unbuilt is called once on symbolic inputs of one example of this
+        data (as Keras `fit` does on its first batch), so the optimizer, the
+        layouts and the checkpoint see its variables before the first step."""
         if not model.weights:
             import keras
-            model(tf.nest.map_structure(
-                lambda s: keras.KerasTensor((None, *s.shape[1:]), s.dtype),
-                self.example_signature()))
+            model(tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype),
+                                        self.example_signature()))
         return model
 
     def check_sharding(self, num_pipelines: int) -> None:

@@ -257,7 +257,12 @@ def too_small(candidates: list, budget: float) -> UsageError:
         return UsageError("no candidate can run: " + "; ".join(reasons[:3]))
     closest = min(sized, key=lambda c: c.estimate.peak_bytes)
     over = closest.estimate.peak_bytes - budget
-    return UsageError(f"--memory_budget={budget / GiB:.2f} GiB is too small for every "
+    return UsageError(f"--memory_budget={size_text(budget)} is too small for every "
                       f"candidate; the closest, {closest.describe()}, needs "
-                      f"{closest.estimate.peak_bytes / GiB:.2f} GiB per process "
+                      f"{size_text(closest.estimate.peak_bytes)} per process "
                       f"({over / 2**20:.0f} MiB more)")
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes for a person: MiB below a GiB, else GiB with two decimals."""
+    return f"{nbytes / 2**20:.0f}M" if nbytes < GiB else f"{nbytes / GiB:.2f}G"
