@@ -64,7 +64,7 @@ class Plan:
             rate = c.measured_rate()
             rows.append({
                 "candidate": c.describe(),
-                "predicted_gib": c.estimate.peak_bytes / GiB if c.estimate else None,
+                "predicted_gib": c.expected_peak() / GiB if c.estimate else None,
                 "measured_gib": (c.measured_peak() / GiB) if c.measured_peak() else None,
                 "predicted_examples_per_sec": c.predicted_rate(batch) if c.estimate else None,
                 "measured_examples_per_sec": rate,
@@ -227,8 +227,11 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
         + (f"{model.flops_per_example / 1e6:,.1f} MFLOP per example" if model.flops_per_example
            else "FLOPs not countable"))
     steps = _steps_per_loop(model, host, config.train.global_batch_size)
+    reads = Facts(model=model, calibration=None, host=host, global_batch=0,
+                  shuffle_buffer=0 if config.data.synthetic else config.data.shuffle_buffer)
     calibration = calibrate.measure(config, steps, allow_lossy, functions, log, scratch,
-                                    timeout=max(60.0, search_seconds / 2))
+                                    timeout=max(60.0, search_seconds / 2),
+                                    buffer_bytes=reads.buffer_bytes)
     families = {}
     for engine in strategies.engines():
         cost = search_lib.cost_model(engine)
@@ -238,8 +241,12 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
     calibration.baselines = calibrate.baselines(families, host.devices, config,
                                                 inputs.spec.kind, functions, log, scratch,
                                                 timeout=120.0)
+    from tfdist.training.trainer import total_steps
     return Facts(model=model, calibration=calibration, host=host,
-                 global_batch=config.train.global_batch_size, precision=config.train.precision)
+                 global_batch=config.train.global_batch_size, precision=config.train.precision,
+                 shuffle_buffer=0 if config.data.synthetic else config.data.shuffle_buffer,
+                 examples_read=total_steps(config.train, inputs.spec)
+                 * config.train.global_batch_size)
 
 
 def calibrate_flags(config: RunConfig, candidate: Candidate) -> list:

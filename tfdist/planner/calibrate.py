@@ -20,12 +20,15 @@ from tfdist.observe import hardware
 from tfdist.planner import trials as trials_lib
 from tfdist.planner.costs import Calibration
 
-CACHE_VERSION = 1
-TINY = ["--model_width=16", "--model_depth=2", "--num_heads=2", "--global_batch_size=8",
-        "--train_steps=2", "--steps_per_loop=1"]
-# The tiny model for a kind of data (the run's own data, so the family's
-# input pipeline is measured too: under dtensor it costs ~0.2 GiB more than
-# on one device for the bundled images, ~0.06 less with random tensors).
+CACHE_VERSION = 2
+# A loop of 100 steps, twice: an engine's resident memory grows over its first
+# long loop (dtensor's, by 0.14 GiB from a 10-step loop to a 100-step one, then
+# flat; one device's not at all), and a trial's loop is about as long.
+TINY = ["--model_width=16", "--model_depth=2", "--num_heads=2", "--global_batch_size=32",
+        "--train_steps=200", "--steps_per_loop=100"]
+# The tiny model for a kind of data: the run's own data, so the family's
+# input pipeline is measured too (a width-16 mlp at batch 256 on the bundled
+# images peaked at 0.81 GiB under dtensor, 0.62 on one device).
 TINY_MODEL = {"image": "mlp", "tokens": "transformer", "text": "transformer"}
 
 
@@ -43,10 +46,14 @@ def flags_of(config: RunConfig) -> list:
 
 
 def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict,
-            log: Callable, work_dir: Optional[str], timeout: float) -> Calibration:
-    """Two or three one-device processes: float32 at a quarter and half the
-    global batch (the second also with XLA), then, if `lossy`,
-    mixed_bfloat16 at half (with and without XLA)."""
+            log: Callable, work_dir: Optional[str], timeout: float,
+            buffer_bytes: Callable[[float], float]) -> Calibration:
+    """One-device processes: float32 at a quarter and at half the global
+    batch, half with XLA (a process of its own: its peak is its own), and,
+    if `lossy`, mixed_bfloat16 at half (without, then with XLA, whose rate
+    alone is read). `buffer_bytes(examples read)`: the shuffle buffer's
+    bytes, taken off each peak (a run of the length asked for fills it
+    further, which the estimates add back)."""
     batch = config.train.global_batch_size
     small, large = max(1, batch // 4), max(2, batch // 2)
 
@@ -58,34 +65,39 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
                                       global_batch_size=size, accum_steps=1))
         return flags_of(trial_config(one, steps_per_loop))
 
-    processes = [[run("float32", "off", small)],
-                 [run("float32", "off", large), run("float32", "on", large)]]
+    processes = [[run("float32", "off", small)], [run("float32", "off", large)],
+                 [run("float32", "on", large)]]
     if lossy:
         processes.append([run("mixed_bfloat16", "off", large),
                           run("mixed_bfloat16", "on", large)])
-    results = []
-    for number, runs in enumerate(processes, 1):
-        log(f"calibration {number}/{len(processes)}: one device, "
-            + ", ".join(_describe(r) for r in runs))
-        result = trials_lib.run(runs, functions=functions, timeout=timeout, work_dir=work_dir)
-        if not result.ok:
-            raise UsageError(f"the model cannot be measured on one device: {result.reason}")
-        results.append(result)
-    first, second = results[0].runs[0], results[1].runs
-    rates = {("float32", "off"): second[0]["examples_per_sec"],
-             ("float32", "on"): second[1]["examples_per_sec"]}
+    results = [_calibration_run(number, len(processes), runs, functions, log, work_dir,
+                                timeout) for number, runs in enumerate(processes, 1)]
+
+    def peak(record, size):
+        return record["peak_rss_bytes"] - buffer_bytes(2 * steps_per_loop * size)
+
+    (first,), (second,), (compiled,) = results[:3]
+    rates = {("float32", "off"): second["examples_per_sec"],
+             ("float32", "on"): compiled["examples_per_sec"]}
     peaks16 = None
     if lossy:
-        third = results[2].runs
-        rates[("mixed_bfloat16", "off")] = third[0]["examples_per_sec"]
-        rates[("mixed_bfloat16", "on")] = third[1]["examples_per_sec"]
-        peaks16 = (large, third[0]["peak_rss_bytes"])
+        rates[("mixed_bfloat16", "off")] = results[3][0]["examples_per_sec"]
+        rates[("mixed_bfloat16", "on")] = results[3][1]["examples_per_sec"]
+        peaks16 = (large, peak(results[3][0], large))
     return Calibration(
-        points=((small, first["peak_rss_bytes"]), (large, second[0]["peak_rss_bytes"])),
+        points=((small, peak(first, small)), (large, peak(second, large))),
         rates=rates, baselines={}, peaks16=peaks16,
-        xla_bytes=max(0, second[1]["peak_rss_bytes"] - second[0]["peak_rss_bytes"]),
+        xla_bytes=max(0, compiled["peak_rss_bytes"] - second["peak_rss_bytes"]),
         times=((small, small / first["examples_per_sec"]),
-               (large, large / second[0]["examples_per_sec"])))
+               (large, large / second["examples_per_sec"])))
+
+
+def _calibration_run(number, count, runs, functions, log, work_dir, timeout) -> list:
+    log(f"calibration {number}/{count}: one device, " + ", ".join(_describe(r) for r in runs))
+    result = trials_lib.run(runs, functions=functions, timeout=timeout, work_dir=work_dir)
+    if not result.ok:
+        raise UsageError(f"the model cannot be measured on one device: {result.reason}")
+    return result.runs
 
 
 def _describe(flags: list) -> str:
@@ -108,9 +120,7 @@ def tiny_model(spec):
 
 def _tiny(config: RunConfig, kind: str, functions: dict) -> tuple:
     """(flags, functions) of a tiny model on the run's own data: its input
-    pipeline is part of what an engine family's processes hold (under
-    dtensor the bundled images cost ~0.2 GiB more than on one device, random
-    tensors ~0.06 less)."""
+    pipeline is part of what an engine family's processes hold."""
     if functions.get("dataset_fn"):
         tiny = {"module": __name__, "name": "tiny_model"}
         return TINY, {**functions, "model_fn": tiny, "layout_rules": None}

@@ -70,6 +70,7 @@ class ModelFacts:
     splits: dict = dataclasses.field(default_factory=dict)
     layout_rules: object = None  # `sharding.LayoutRules` for tensor sharding, or None
     signature: str = ""          # what identifies the model (for the cache key)
+    buffered_example_bytes: float = 0.0   # one example in the shuffle buffer
 
     @property
     def param_bytes(self) -> int:
@@ -99,7 +100,7 @@ class Calibration:
     the family's runtime costs beyond the one-device engine's); `times`:
     (batch, seconds per step) of the two float32 runs."""
 
-    points: tuple
+    points: tuple                # (batch, peak less its shuffle buffer's bytes)
     rates: dict
     baselines: dict
     peaks16: Optional[tuple] = None
@@ -142,6 +143,8 @@ class Facts:
     host: Host
     global_batch: int
     precision: str = "float32"   # the user's, the default a search starts from
+    shuffle_buffer: int = 0      # examples the input pipeline's shuffle holds at most
+    examples_read: float = math.inf   # by each process over the run (fills the buffer)
 
     # -- memory ----------------------------------------------------------------
     def base(self, family: str) -> float:
@@ -153,6 +156,11 @@ class Facts:
         baselines = self.calibration.baselines
         reference = baselines.get(REFERENCE, 0)
         return max(0.0, one_device) + max(0.0, baselines.get(family, reference) - reference)
+
+    def buffer_bytes(self, examples_read: Optional[float] = None) -> float:
+        """The shuffle buffer's bytes once `examples_read` passed through it."""
+        read = self.examples_read if examples_read is None else examples_read
+        return min(self.shuffle_buffer, read) * self.model.buffered_example_bytes
 
     def state_total(self) -> float:
         model = self.model
@@ -254,7 +262,7 @@ def state(facts: Facts, params: float = 1.0, grads: float = 1.0, slots: float = 
 def base_terms(facts: Facts, family: str, jit: str = "off") -> dict:
     """The process's resident baseline, and XLA's compilation where the step
     is compiled."""
-    terms = {"runtime": facts.base(family)}
+    terms = {"runtime": facts.base(family), "shuffle buffer": facts.buffer_bytes()}
     if jit == "on" and facts.calibration.xla_bytes:
         terms["XLA compilation"] = facts.calibration.xla_bytes
     return terms

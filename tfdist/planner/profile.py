@@ -43,11 +43,22 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
         layout_rules = models.layout_rules(config.model)
     by_op = flops_lib.try_forward_flops_by_op(model, lambda: signature)
     return ModelFacts(
-        name=model.name, variables=variables, slot_ratio=slots / trainable,
+        name=model.name, buffered_example_bytes=_buffered_example_bytes(inputs), variables=variables, slot_ratio=slots / trainable,
         flops_per_example=(flops_lib.TRAINING_PASSES * sum(by_op.values()) if by_op else None),
         splits=_splits(model, signature),
         layout_rules=sharding.as_layout_rules(layout_rules) if layout_rules else None,
         signature=_signature(model, variables))
+
+
+def _buffered_example_bytes(inputs, sample: int = 64) -> float:
+    """The mean bytes of one training example as the shuffle buffer holds it
+    (an image's encoded bytes under the global order), over `sample`."""
+    examples, _ = inputs.undecoded_examples("train", tf.distribute.InputContext())
+    sizes = []
+    for example in examples.take(sample):
+        sizes.append(sum(int(tf.reduce_sum(tf.strings.length(t))) if t.dtype == tf.string
+                         else t.numpy().nbytes for t in tf.nest.flatten(example)))
+    return sum(sizes) / len(sizes) if sizes else 0.0
 
 
 def _splits(model, signature) -> dict:

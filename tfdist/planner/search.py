@@ -38,6 +38,14 @@ class Candidate:
     dropped: str = ""             # why it is not a candidate (over budget, ...)
     trial: Optional[trials_lib.TrialResult] = None
     factor: float = 1.0           # measured / predicted step time of its engine's trials
+    # Its estimate for its trial's length (a short run fills less of the
+    # shuffle buffer than the run asked for): what its trial's peak is compared with.
+    trial_estimate: Optional[Estimate] = None
+
+    def expected_peak(self) -> float:
+        """The predicted peak its measurement is compared with (its trial's
+        where it was tried, else the run's)."""
+        return (self.trial_estimate or self.estimate).peak_bytes
 
     @property
     def lossless(self) -> bool:
@@ -221,10 +229,16 @@ def _trial(search: Search, candidate: Candidate, number: int) -> None:
     estimate = candidate.estimate
     timeout = max(30.0, min(search.left(), 240.0))
     cap = int(search.facts.host.memory_budget) if search.cap else None
+    runs = search.trial_runs(candidate)
+    values = dict(f[2:].split("=", 1) for f in runs[-1] if "=" in f)
+    reads = int(values["train_steps"]) * int(values["global_batch_size"])
+    candidate.trial_estimate = cost_model(strategies.engine(candidate.engine)).estimate(
+        dataclasses.replace(search.facts, examples_read=reads), candidate.options)
     search.log(f"trial {number}/{search.trials}: {candidate.describe()} (predicted "
                f"{candidate.predicted_rate(search.facts.global_batch):.0f} examples/s, "
-               f"{estimate.peak_bytes / GiB:.2f} GiB per process)")
-    candidate.trial = trials_lib.run(search.trial_runs(candidate),
+               f"{candidate.trial_estimate.peak_bytes / GiB:.2f} GiB per process for the "
+               "trial)")
+    candidate.trial = trials_lib.run(runs,
                                      processes=estimate.processes, functions=search.functions,
                                      cap=cap, timeout=timeout, work_dir=search.work_dir)
     trial = candidate.trial
