@@ -19,7 +19,7 @@ import time
 from typing import Callable, Optional
 
 from tfdist import config as config_lib
-from tfdist import sharding, strategies
+from tfdist import strategies
 from tfdist.config import RunConfig
 from tfdist.errors import UsageError
 from tfdist.planner import trials as trials_lib
@@ -52,9 +52,11 @@ class Candidate:
         return not _lossy_options(self.options)
 
     def describe(self) -> str:
+        """The engine and its options as flags: the engine's layout always
+        (a mesh, a ZeRO stage, stages), the shared options where not default."""
         parts = [self.engine]
         for name, value in self.options.items():
-            if name == "virtual_devices" or value == _default(name):
+            if name == "virtual_devices" or (name in SHARED and value == _default(name)):
                 continue
             parts.append(f"{_flag(name)}={_shown(value)}")
         return " ".join(parts)
