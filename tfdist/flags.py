@@ -201,6 +201,17 @@ def run_config() -> config_lib.RunConfig:
         raise UsageError(str(error)) from None
 
 
+def run_config_of(args: list) -> config_lib.RunConfig:
+    """The `RunConfig` a list of tfdist-train flags describes (a planner
+    trial's), parsed afresh; `UsageError` for a flag absl refuses."""
+    flags.FLAGS.unparse_flags()
+    try:
+        flags.FLAGS([sys.argv[0], *args])
+    except flags.Error as error:
+        raise UsageError(f"trial flags: {error}") from None
+    return run_config()
+
+
 def plan_options() -> dict:
     """tfdist-plan's own flags as `tfdist.plan` keywords."""
     from tfdist.planner import parse_size

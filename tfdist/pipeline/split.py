@@ -31,6 +31,7 @@ blocks, a name that is not a layer or is not at a cut point.
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Optional, Sequence
 
@@ -231,8 +232,8 @@ def blocks(model, count_flops: bool = True, input_signature=None) -> list:
         members = calls[start + 1:stop + 1]
         weights = list({id(w): w for call in members
                         for w in getattr(call.operation, "weights", ())}.values())
-        params = sum(_size(w.shape) for w in weights)
-        param_bytes = sum(_size(w.shape) * _itemsize(w.dtype) for w in weights)
+        params = sum(size(w.shape) for w in weights)
+        param_bytes = sum(size(w.shape) * itemsize(w.dtype) for w in weights)
         count = sum(per_layer.get(call.name, 0) // times[call.name] for call in members)
         first_in = graph.inputs if start < 0 else [crossing[start]]
         shape = tuple(first_in[0].shape[1:]) if len(first_in) == 1 else \
@@ -242,14 +243,13 @@ def blocks(model, count_flops: bool = True, input_signature=None) -> list:
     return found
 
 
-def _size(shape) -> int:
-    size = 1
-    for dim in shape:
-        size *= int(dim)
-    return size
+def size(shape) -> int:
+    """Elements of a tensor of `shape`."""
+    return math.prod(int(dim) for dim in shape)
 
 
-def _itemsize(dtype) -> int:
+def itemsize(dtype) -> int:
+    """Bytes of one element of `dtype` (a name or a dtype object)."""
     import numpy as np
     name = getattr(dtype, "name", dtype)
     return 2 if name == "bfloat16" else np.dtype(name).itemsize

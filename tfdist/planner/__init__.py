@@ -190,10 +190,9 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
         log(f"{len(candidates)} candidates, {len(search_lib.rank(candidates))} predicted to fit;"
             f" trials of the best (at most {trials}, {search_seconds:.0f} s)")
         search = search_lib.Search(
-            config=config, facts=facts, functions=functions, trials=trials,
+            facts=facts, functions=functions, trials=trials,
             seconds=search_seconds - (time.monotonic() - started), cap=cap_trials, log=log,
-            work_dir=scratch,
-            trial_runs=lambda c: [calibrate_flags(config, c)])
+            work_dir=scratch, trial_config=lambda c: trial_config(config, c))
         winner = search_lib.run(search, candidates)
     if winner is None:
         failed = [c for c in candidates if c.trial]
@@ -243,18 +242,17 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
                                                 timeout=120.0)
     from tfdist.training.trainer import total_steps
     return Facts(model=model, calibration=calibration, host=host,
-                 global_batch=config.train.global_batch_size, precision=config.train.precision,
+                 global_batch=config.train.global_batch_size,
                  shuffle_buffer=0 if config.data.synthetic else config.data.shuffle_buffer,
                  examples_read=total_steps(config.train, inputs.spec)
                  * config.train.global_batch_size)
 
 
-def calibrate_flags(config: RunConfig, candidate: Candidate) -> list:
-    """The flags of `candidate`'s trial run: its configuration, made a trial's."""
+def trial_config(config: RunConfig, candidate: Candidate) -> RunConfig:
+    """`candidate`'s configuration, made a trial's (`calibrate.trial_config`)."""
     from tfdist.planner import calibrate
-    return calibrate.flags_of(calibrate.trial_config(
-        search_lib.apply(config, candidate.engine, candidate.options),
-        _trial_steps(candidate.predicted_seconds())))
+    return calibrate.trial_config(search_lib.apply(config, candidate.engine, candidate.options),
+                                  _trial_steps(candidate.predicted_seconds()))
 
 
 # A trial times its second loop (the first compiles): long enough that the

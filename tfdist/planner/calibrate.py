@@ -41,10 +41,6 @@ def trial_config(config: RunConfig, steps_per_loop: int) -> RunConfig:
     return config.replace(train=train)
 
 
-def flags_of(config: RunConfig) -> list:
-    return as_flags(config)
-
-
 def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict,
             log: Callable, work_dir: Optional[str], timeout: float,
             buffer_bytes: Callable[[float], float]) -> Calibration:
@@ -63,7 +59,7 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
                                          virtual_devices=1),
             train=dataclasses.replace(config.train, precision=precision, jit_compile=jit,
                                       global_batch_size=size, accum_steps=1))
-        return flags_of(trial_config(one, steps_per_loop))
+        return as_flags(trial_config(one, steps_per_loop))
 
     processes = [[run("float32", "off", small)], [run("float32", "off", large)],
                  [run("float32", "on", large)]]

@@ -142,7 +142,6 @@ class Facts:
     calibration: Calibration
     host: Host
     global_batch: int
-    precision: str = "float32"   # the user's, the default a search starts from
     shuffle_buffer: int = 0      # examples the input pipeline's shuffle holds at most
     examples_read: float = math.inf   # by each process over the run (fills the buffer)
 
@@ -235,7 +234,6 @@ class Estimate:
     time: dict
     processes: int = 1
     family: str = REFERENCE      # the runtime whose resident baseline applies
-    notes: tuple = ()
 
     @property
     def peak_bytes(self) -> float:

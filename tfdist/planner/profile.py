@@ -34,10 +34,10 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
                                       global_batch_size=config.train.global_batch_size,
                                       total_steps=1)
         optimizer.build(model.trainable_variables)
-    variables = [Variable(v.path, tuple(int(d) for d in v.shape), _itemsize(v.dtype),
+    variables = [Variable(v.path, tuple(int(d) for d in v.shape), split_lib.itemsize(v.dtype),
                           v.trainable) for v in model.weights]
     trainable = sum(v.bytes for v in variables if v.trainable) or 1
-    slots = sum(_size(v.shape) * _itemsize(v.dtype) for v in optimizer.variables
+    slots = sum(split_lib.size(v.shape) * split_lib.itemsize(v.dtype) for v in optimizer.variables
                 if len(v.shape) > 0)
     if layout_rules is None and model_fn is None:
         layout_rules = models.layout_rules(config.model)
@@ -83,14 +83,3 @@ def _signature(model, variables) -> str:
     cached plan is keyed by, with the batch, the cluster and the host."""
     text = "\n".join(f"{v.path}:{v.shape}:{v.itemsize}:{v.trainable}" for v in variables)
     return f"{model.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-
-
-def _size(shape) -> int:
-    size = 1
-    for dim in shape:
-        size *= int(dim)
-    return size
-
-
-def _itemsize(dtype) -> int:
-    return tf.as_dtype(getattr(dtype, "name", dtype)).size

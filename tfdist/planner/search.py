@@ -177,9 +177,8 @@ def _estimated(candidate: Candidate, model, facts: Facts) -> Candidate:
 class Search:
     """A search's state and settings (see `run`)."""
 
-    config: RunConfig
     facts: Facts
-    trial_runs: Callable          # candidate -> the flag lists of its trial
+    trial_config: Callable        # candidate -> the RunConfig of its trial
     functions: dict
     trials: int = 5
     seconds: float = 180.0
@@ -231,16 +230,15 @@ def _trial(search: Search, candidate: Candidate, number: int) -> None:
     estimate = candidate.estimate
     timeout = max(30.0, min(search.left(), 240.0))
     cap = int(search.facts.host.memory_budget) if search.cap else None
-    runs = search.trial_runs(candidate)
-    values = dict(f[2:].split("=", 1) for f in runs[-1] if "=" in f)
-    reads = int(values["train_steps"]) * int(values["global_batch_size"])
+    short = search.trial_config(candidate)
+    reads = short.train.train_steps * short.train.global_batch_size
     candidate.trial_estimate = cost_model(strategies.engine(candidate.engine)).estimate(
         dataclasses.replace(search.facts, examples_read=reads), candidate.options)
     search.log(f"trial {number}/{search.trials}: {candidate.describe()} (predicted "
                f"{candidate.predicted_rate(search.facts.global_batch):.0f} examples/s, "
                f"{candidate.trial_estimate.peak_bytes / GiB:.2f} GiB per process for the "
                "trial)")
-    candidate.trial = trials_lib.run(runs,
+    candidate.trial = trials_lib.run([config_lib.as_flags(short)],
                                      processes=estimate.processes, functions=search.functions,
                                      cap=cap, timeout=timeout, work_dir=search.work_dir)
     trial = candidate.trial

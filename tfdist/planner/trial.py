@@ -42,8 +42,6 @@ def main(argv: list[str]) -> int:
     spec_path, out = argv[1], argv[2]
     with open(spec_path) as f:
         spec = json.load(f)
-    from absl import flags as absl_flags
-
     from tfdist import flags as tfdist_flags   # defines tfdist's flags
     from tfdist.planner import functions
     model_fn = functions.resolve(spec.get("model_fn"))
@@ -51,15 +49,9 @@ def main(argv: list[str]) -> int:
     layout_rules = functions.layout_rules(spec.get("layout_rules"))
     data_spec = functions.dataset_spec(spec.get("spec"))
     from tfdist import api
-    from tfdist.errors import UsageError
     task = _task_index()
     for index, run in enumerate(spec["runs"]):
-        absl_flags.FLAGS.unparse_flags()
-        try:
-            absl_flags.FLAGS([sys.argv[0], *run])
-        except absl_flags.Error as error:
-            raise UsageError(f"trial flags: {error}") from None
-        config = tfdist_flags.run_config()
+        config = tfdist_flags.run_config_of(run)
         result = api.train(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=data_spec,
                            layout_rules=layout_rules)
         summary = result.summary or {}

@@ -1,6 +1,6 @@
 """The cost models of the data-parallel engines that keep a whole replica per
 device or process: `default` (one device), `mirrored` (this process's
-devices), `multi_worker` and `horovod` (one replica per process). Each
+devices), `multi_worker` (one replica per process). Each
 engine's record names its model here (`Engine.cost`); the shared terms are
 `tfdist.planner.costs`. No TensorFlow."""
 
@@ -83,7 +83,7 @@ class LocalReplicas:
 
 
 class ReplicaPerProcess:
-    """`multi_worker`, `horovod`: one replica per process, the gradients
+    """`multi_worker`: one replica per process, the gradients
     all-reduced over the cluster's links."""
 
     def __init__(self, family: str):
@@ -121,4 +121,3 @@ class ReplicaPerProcess:
 ONE_DEVICE = OneDevice()
 LOCAL_REPLICAS = LocalReplicas()
 MULTI_WORKER = ReplicaPerProcess("multi_worker")
-HOROVOD = ReplicaPerProcess("horovod")
