@@ -1,10 +1,10 @@
 """The Python API: `tfdist.train(config, model_fn=..., dataset_fn=...)`.
 
-The CLI (`tfdist-train`) is a thin layer over this: flags -> RunConfig ->
-`train`. Start-up order matters and is fixed here: the engine is created
-before any other TensorFlow op (MultiWorkerMirroredStrategy requires it,
-and virtual CPU devices must be set before the runtime starts), then data is
-prepared, then the model and optimizer are built in the engine's scope.
+The CLI (`tfdist-train`) is a thin layer over this: flags -> RunConfig -> `train`.
+Start-up order matters and is fixed here: the engine is created before any
+other TensorFlow op (MultiWorkerMirroredStrategy requires it, and virtual CPU
+devices must be set before the runtime starts; --strategy=auto plans in a
+process of its own), then data, then the model and optimizer in its scope.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from tfdist import exporting as export_lib
 from tfdist import models, sharding, strategies
 from tfdist.checkpointing import Checkpointer, ReplicaState, checkpoint_dir
 from tfdist.config import RunConfig
-from tfdist.data import tfds_inputs
-from tfdist.data.function_inputs import DatasetFn, FunctionInputs
+from tfdist.data.function_inputs import DatasetFn
+from tfdist.data.inputs import of_run as inputs_of_run
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import flops, hardware, logs, peak
@@ -204,7 +204,7 @@ def _run_description(config, strategy, model, spec, controller, peak_lr) -> list
 def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras.Model]] = None,
           dataset_fn: Optional[DatasetFn] = None,
           spec: Optional[DatasetSpec] = None, layout_rules=None, loss=None, metrics=None,
-          export_dir: Optional[str] = None) -> RunResult:
+          export_dir: Optional[str] = None, plan_options: Optional[dict] = None) -> RunResult:
     """Train under `config.strategy`; return the run summary and the model.
 
     model_fn: builds a Keras 3 model from the dataset's `DatasetSpec`
@@ -226,6 +226,7 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
       model's, else `config.train.metrics` (with the config's loss).
     export_dir: after training the chief writes model.keras and a SavedModel
       here (default `config.train.export_dir`; see `tfdist.export`).
+    plan_options: `tfdist.plan`'s keywords under --strategy=auto (`tfdist.planner.auto`).
     """
     strategies.check_name(config.strategy.name)
     if model_fn is None:
@@ -234,6 +235,10 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
         layout_rules = sharding.as_layout_rules(layout_rules)
     if export_dir is not None:
         config = config.replace(train=config.train.replace(export_dir=export_dir))
+    if config.strategy.name == strategies.AUTO:
+        from tfdist.planner import auto
+        return auto.train(train, config, plan_options, model_fn=model_fn, dataset_fn=dataset_fn,
+                          spec=spec, layout_rules=layout_rules, loss=loss, metrics=metrics)
     strategy = strategies.create(config.strategy)
     strategy.setup()
     servers = capability(strategy, ServingProcesses)
@@ -291,12 +296,6 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
     return model, optimizer
 
 
-def _inputs(config: RunConfig, dataset_fn, spec):
-    if dataset_fn:
-        return FunctionInputs(dataset_fn, spec)
-    return tfds_inputs.load(config.data, model_dir=config.train.model_dir)
-
-
 def _serving_model(config: RunConfig, model_fn, inputs) -> keras.Model:
     """A fresh copy of the model outside any engine, under the run's precision
     policy, for export (its weights are then set from the trained model)."""
@@ -351,7 +350,7 @@ def _built(config, interface, refusal, model_fn, dataset_fn, spec, layout_rules,
     strategy.setup()
     try:
         strategy.check_config(config)
-        inputs = _inputs(config, dataset_fn, spec)
+        inputs = inputs_of_run(config, dataset_fn, spec)
         model, optimizer = _build(config, strategy, model_fn, inputs, 1, layout_rules)
         return fn(strategy, model, optimizer)
     finally:
@@ -374,7 +373,7 @@ def _check_run(config, strategy, dataset_fn, spec):
     if strategy.is_chief:
         check_model_dir(tc.model_dir)
         check_export_dir(tc.export_dir)
-    inputs = _inputs(config, dataset_fn, spec)
+    inputs = inputs_of_run(config, dataset_fn, spec)
     inputs.check_sharding(strategy.num_input_pipelines)
     train_examples = inputs.spec.train_examples
     if train_examples and tc.global_batch_size > train_examples:

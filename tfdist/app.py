@@ -94,6 +94,11 @@ def main(argv: list[str]) -> None:
     strategies.check_name(config.strategy.name)
     strategies.check_cluster(config.strategy)
     models.check_name(config.model.name)
+    if config.strategy.name == strategies.AUTO and (tfdist_flags.print_stages()
+                                                    or tfdist_flags.print_layouts()):
+        usage_exit("--print_stages and --print_layouts describe one engine's layout; "
+                   "--strategy=auto chooses the engine as it trains: run tfdist-plan and "
+                   "pass them with its flagfile")
     from tfdist import api  # TensorFlow loads here, after the flags are known good
     if tfdist_flags.print_stages():
         print(api.describe_stages(config), flush=True)
@@ -101,7 +106,8 @@ def main(argv: list[str]) -> None:
     if tfdist_flags.print_layouts():
         print(api.describe_layouts(config), flush=True)
         return
-    result = api.train(config)
+    result = api.train(config, plan_options=tfdist_flags.plan_options()
+                       if config.strategy.name == strategies.AUTO else None)
     if result.is_chief:
         print(json.dumps(result.summary, sort_keys=True), flush=True)
 

@@ -63,7 +63,8 @@ def _help(opt) -> str:
     if opt.registry != "strategy":
         return opt.help
     from tfdist import strategies   # no TensorFlow: the engines' records only
-    return " ".join([opt.help, *(f"{e.name}: {e.summary}." for e in strategies.engines())])
+    return " ".join([opt.help, *(f"{e.name}: {e.summary}." for e in strategies.engines()),
+                     f"{strategies.AUTO}: {strategies.AUTO_SUMMARY}."])
 
 
 def _define(field: dataclasses.Field):

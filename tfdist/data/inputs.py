@@ -217,3 +217,12 @@ def eval_dataset_fn(inputs: Inputs, *, global_batch_size: int, steps: int,
 def _batch_weights(ds: tf.data.Dataset) -> tf.data.Dataset:
     """Batches as (x, y, weight): weight 1 per example where a source gave none."""
     return with_weights(ds, batched=True)
+
+
+def of_run(config, dataset_fn=None, spec=None) -> Inputs:
+    """A run's input: the user's `dataset_fn` (described by `spec`), else the
+    TFDS dataset `config.data` names."""
+    from tfdist.data import function_inputs, tfds_inputs
+    if dataset_fn:
+        return function_inputs.FunctionInputs(dataset_fn, spec)
+    return tfds_inputs.load(config.data, model_dir=config.train.model_dir)

@@ -216,9 +216,9 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
                     allow_lossy, search_seconds, log, scratch) -> Facts:
     """The model's facts, its one-device measurements and each engine
     family's runtime (the processes this starts are the calibration)."""
-    from tfdist import api
+    from tfdist.data.inputs import of_run as inputs_of_run
     from tfdist.planner import calibrate, profile   # TensorFlow loads here
-    inputs = api._inputs(config, dataset_fn, spec)
+    inputs = inputs_of_run(config, dataset_fn, spec)
     model = profile.model_facts(config, inputs, model_fn, layout_rules)
     log(f"model {model.name}: {model.parameters:,} parameters, "
         f"{model.param_bytes / GiB:.3f} GiB (+ gradients and optimizer slots: "

@@ -29,7 +29,7 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
     with Precision("float32").policy_scope():
         model = inputs.built(model_fn(inputs.spec) if model_fn
                              else models.build(config.model, inputs.spec))
-        signature = inputs.example_signature()
+        example = inputs.example_signature()
         optimizer = optimizers.create(config.optimizer,
                                       global_batch_size=config.train.global_batch_size,
                                       total_steps=1)
@@ -41,13 +41,13 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
                 if len(v.shape) > 0)
     if layout_rules is None and model_fn is None:
         layout_rules = models.layout_rules(config.model)
-    by_op = flops_lib.try_forward_flops_by_op(model, lambda: signature)
+    by_op = flops_lib.try_forward_flops_by_op(model, lambda: example)
     return ModelFacts(
         name=model.name, buffered_example_bytes=_buffered_example_bytes(inputs), variables=variables, slot_ratio=slots / trainable,
         flops_per_example=(flops_lib.TRAINING_PASSES * sum(by_op.values()) if by_op else None),
-        splits=_splits(model, signature),
+        splits=_splits(model, example),
         layout_rules=sharding.as_layout_rules(layout_rules) if layout_rules else None,
-        signature=_signature(model, variables))
+        signature=signature(model))
 
 
 def _buffered_example_bytes(inputs, sample: int = 64) -> float:
@@ -78,8 +78,11 @@ def _splits(model, signature) -> dict:
     return splits
 
 
-def _signature(model, variables) -> str:
-    """A digest of the model's variables (paths, shapes, dtypes): what a
-    cached plan is keyed by, with the batch, the cluster and the host."""
-    text = "\n".join(f"{v.path}:{v.shape}:{v.itemsize}:{v.trainable}" for v in variables)
-    return f"{model.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+def signature(model) -> str:
+    """A digest of the model's variables (shapes, dtypes, trainable, in their
+    order; not their names, which Keras numbers by how many models the
+    process built before): what a cached plan is keyed by, with the batch,
+    the cluster and the host."""
+    text = "\n".join(f"{tuple(int(d) for d in v.shape)}:{split_lib.itemsize(v.dtype)}:"
+                     f"{v.trainable}" for v in model.weights)
+    return f"{type(model).__name__}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

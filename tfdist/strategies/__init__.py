@@ -24,6 +24,10 @@ _WORKERS = functools.partial(cluster.check_workers, required=True)
 _WORKERS_IF_ANY = functools.partial(cluster.check_workers, required=False)
 
 REFERENCE = "default"   # the engine every other is compared with (tfdist-compare)
+# Not an engine: the planner's choice of one (`tfdist.planner.auto`).
+AUTO = "auto"
+AUTO_SUMMARY = ("the planner chooses the engine and its options for this model, batch, "
+                "cluster and host (the tfdist-plan flags), caches the plan and runs it")
 BUILT_IN = (
     Engine("default", "tfdist.strategies.default:DefaultStrategy",
            "one device: the reference every other engine is compared with",
@@ -56,9 +60,11 @@ unregister = _REGISTRY.unregister
 
 
 def check_name(name: str) -> None:
-    """Raise `UsageError` listing the engines unless `name` is one."""
+    """Raise `UsageError` listing the engines unless `name` is one (or auto)."""
     _load_entry_points()
-    _REGISTRY.check(name)
+    if name != AUTO and name not in _REGISTRY.names():
+        raise UsageError(f"--strategy={name!r} is not a registered strategy; valid: "
+                         f"{', '.join(_REGISTRY.names())}, or {AUTO}")
 
 
 def register(name: str, entry) -> None:
@@ -103,8 +109,8 @@ def check_cluster(config: StrategyConfig) -> None:
     TensorFlow; the environment is not changed). `tfdist-train` runs it
     before TensorFlow loads, so a bad TF_CONFIG is one line in a fraction of a
     second instead of after TensorFlow's start-up (about 5 CPU-seconds); the
-    engine checks again when set up."""
-    check = engine(config.name).cluster
+    engine checks again when set up. Under auto: any cluster of workers."""
+    check = _WORKERS_IF_ANY if config.name == AUTO else engine(config.name).cluster
     if check is not None:
         check(config, dict(os.environ))
 
@@ -123,5 +129,5 @@ def create(config: StrategyConfig) -> Strategy:
     return adapter_class(engine(config.name))(config)
 
 
-__all__ = ["Engine", "Strategy", "adapter_class", "check_cluster", "check_name", "create", "engine", "engines",
+__all__ = ["AUTO", "Engine", "Strategy", "adapter_class", "check_cluster", "check_name", "create", "engine", "engines",
            "names", "register", "unregister"]

@@ -1,0 +1,97 @@
+"""`--strategy=auto`'s cached plans, in one process: what the key covers,
+a plan made elsewhere is not reused (and says why), a waiting worker takes
+the chief's plan once written or fails in one line, and `auto` is a valid
+--strategy that is not an engine. The whole path (plan, reuse, a cluster):
+tests/integration/test_plan.py."""
+
+import threading
+
+import keras
+import pytest
+
+from tfdist import strategies
+from tfdist.errors import UsageError
+from tfdist.planner import auto, profile
+from common import run_config
+
+WHERE = {"host": "AMD EPYC x2 cores; AVX2", "cores": 2, "tensorflow": "2.21.0",
+         "tfdist": "0.1.0"}
+
+
+def _what(config=None, signature="Functional-abc", processes=1, budget=None, lossy=False):
+    return auto.what_of(config or run_config(batch=32), signature, processes, 1, budget, lossy)
+
+
+def test_the_key_covers_the_model_batch_cluster_budget_and_lossy():
+    base = auto.key_of(_what())
+    assert auto.key_of(_what()) == base                                   # stable
+    changed = [_what(signature="Functional-abd"), _what(config=run_config(batch=64)),
+               _what(processes=2), _what(budget=2**30), _what(lossy=True),
+               _what(config=run_config(batch=32, optimizer="adam"))]
+    keys = {auto.key_of(what) for what in changed}
+    assert base not in keys and len(keys) == len(changed)
+    # What the search chooses is not in the key: the same run asked under
+    # another engine or step count reuses the plan.
+    other = run_config(batch=32, steps=999)
+    other = other.replace(strategy=other.strategy.replace(name="dtensor"))
+    assert auto.key_of(_what(config=other)) == base
+
+
+def test_the_signature_is_the_variables_not_their_names():
+    """Keras numbers auto-named layers by how many the process built before:
+    the key of a model built twice stays the same; another shape changes it."""
+    def build(width):
+        inputs = keras.Input((8,))
+        return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(width)(inputs)))
+    first, second = build(4), build(4)
+    assert first.weights[0].path != second.weights[0].path    # the control: names differ
+    assert profile.signature(first) == profile.signature(second)
+    assert profile.signature(build(5)) != profile.signature(first)
+
+
+def test_a_plan_made_elsewhere_is_not_reused_and_says_why():
+    record = {"where": dict(WHERE), "engine": "default", "options": {}}
+    assert auto.stale_reason(record, WHERE) is None
+    for name, value in (("tfdist", "0.2.0"), ("host", "Intel Xeon x2 cores; AMX"),
+                        ("tensorflow", "2.22.0")):
+        reason = auto.stale_reason(record, {**WHERE, name: value})
+        assert reason and name in reason and repr(value) in reason, reason
+
+
+def test_a_waiting_worker_takes_the_chiefs_plan_once_written(tmp_path):
+    path = str(tmp_path / "plans" / "k.json")
+    record = {"where": WHERE, "engine": "multi_worker", "options": {"jit_compile": "on"}}
+    writer = threading.Timer(0.3, auto.write, args=(path, record))
+    writer.start()
+    try:
+        assert auto.wait_for(path, "k", WHERE, timeout=30)["engine"] == "multi_worker"
+    finally:
+        writer.cancel()
+
+
+def test_a_worker_that_waits_in_vain_fails_in_one_line_naming_the_key_and_path(tmp_path):
+    path = str(tmp_path / "plans" / "k.json")
+    ticks = iter(range(0, 1000, 5))
+    with pytest.raises(UsageError) as error:
+        auto.wait_for(path, "k", WHERE, timeout=12, clock=lambda: next(ticks))
+    message = str(error.value)
+    assert "\n" not in message and "k" in message and path in message
+    assert "TFDIST_CACHE_DIR" in message and "tfdist-plan" in message
+    # A plan from another tfdist there is named too, and still not taken.
+    auto.write(path, {"where": {**WHERE, "tfdist": "0.0.9"}, "engine": "default",
+                      "options": {}})
+    ticks = iter(range(0, 1000, 5))
+    with pytest.raises(UsageError, match="0.0.9"):
+        auto.wait_for(path, "k", WHERE, timeout=12, clock=lambda: next(ticks))
+
+
+def test_auto_is_a_strategy_but_not_an_engine():
+    strategies.check_name("auto")
+    assert "auto" not in strategies.names()
+    with pytest.raises(UsageError, match=r"valid: .*multi_worker.*, or auto"):
+        strategies.check_name("bogus")
+
+
+def test_json_lists_come_back_as_the_tuples_the_configuration_declares():
+    assert auto._typed({"pipeline_split": ["a", "b"], "zero_stage": 1}) == {
+        "pipeline_split": ("a", "b"), "zero_stage": 1}
