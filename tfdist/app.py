@@ -162,7 +162,7 @@ time, trials of the best, a ranked table, and the winner as a flagfile:
 
 
 def _plan_help() -> str:
-    return tfdist_help.program_help(_prog(), description=PLAN_HELP, planner=True)
+    return tfdist_help.program_help(_prog(), description=PLAN_HELP)
 
 
 def run_plan() -> None:

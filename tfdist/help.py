@@ -175,13 +175,11 @@ def render(*, usage: str, description: str = "",
 
 
 def program_help(prog: str, *, usage: str | None = None, description: str = "",
-                 only: Iterable[str] | None = None, script: bool = False,
-                 planner: bool = False) -> str:
+                 only: Iterable[str] | None = None, script: bool = False) -> str:
     """Help of a tfdist program: tfdist's groups (or those of its flags in
-    `only`; the planner's only if `planner`), plus, for a user's script, its
-    own flags under "this script"."""
-    groups = [(title, group) for title, group in sections(only)
-              if planner or title != tfdist_flags.PLAN_GROUP]
+    `only`; the planner's too, which tfdist-plan and --strategy=auto read),
+    plus, for a user's script, its own flags under "this script"."""
+    groups = list(sections(only))
     if script:
         own = script_flags()
         if own:

@@ -91,3 +91,59 @@ def test_a_budget_no_candidate_fits_exits_2_in_one_line(tmp_path, prepared_data_
     assert len(errors) == 1 and "--memory_budget=" in errors[0] and "MiB more" in errors[0], \
         planned.stderr[-2000:]
     assert not (tmp_path / "plan.cfg").exists()
+
+
+def _summary(stdout):
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_strategy_auto_plans_once_reuses_the_plan_on_one_host_and_a_cluster_and_replans(
+        tmp_path, prepared_data_dir):
+    """tfdist-train --strategy=auto: the first run plans and runs the winner,
+    the same run again (another length, another directory) reuses the plan,
+    a cluster's workers each take the plan made for its size, and a plan made
+    by another tfdist is not reused (the log says why) but made again."""
+    from tfdist.planner import auto
+    run = [f"--data_dir={prepared_data_dir}", "--strategy=auto", "--model=mlp",
+           "--model_width=48", "--global_batch_size=64", "--steps_per_loop=2",
+           "--plan_trials=2", "--search_seconds=90"]
+    first = run_cli([*run, "--train_steps=4", f"--model_dir={tmp_path / 'a'}"], timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = _summary(first.stdout)
+    plan = summary["plan"]
+    assert not plan["reused"] and f"planning {plan['key']}" in first.stderr
+    assert summary["strategy"] == plan["chosen"].split()[0] and summary["steps"] == 4
+    record = auto.read(plan["path"])
+    assert record["describe"] == plan["chosen"] and record["flagfile"]
+    with open(tmp_path / "a" / "summary.json") as f:
+        assert json.load(f)["plan"] == plan
+
+    again = run_cli([*run, "--train_steps=2", f"--model_dir={tmp_path / 'b'}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _summary(again.stdout)["plan"] == {**plan, "reused": True}
+    assert "calibration" not in again.stderr and f"reusing the plan {plan['key']}" in again.stderr
+
+    # The plan for two processes, as a chief would have written it: every worker takes it.
+    what = {**record["what"], "processes": 2}
+    two = auto.cache_path(auto.key_of(what))
+    auto.write(two, {**record, "what": what, "engine": "multi_worker",
+                     "options": {"jit_compile": "off"}, "describe": "multi_worker"})
+    launched = subprocess.run(
+        [os.path.join(BIN, "tfdist-launch"), "--workers=2", "--", os.path.join(BIN, "tfdist-train"),
+         *run, "--train_steps=2"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.stderr.count("reusing the plan") == 2     # both workers
+    cluster = _summary(launched.stdout.replace("[worker 0] ", ""))
+    assert cluster["strategy"] == "multi_worker" and cluster["workers"] == 2
+
+    auto.write(plan["path"], {**record, "where": {**record["where"], "tfdist": "0.0.9"}})
+    stale = run_cli([*run, "--train_steps=2", f"--model_dir={tmp_path / 'c'}"], timeout=400)
+    assert stale.returncode == 0, stale.stderr[-3000:]
+    assert f"the cached plan {plan['key']} is not reused: it was made with tfdist '0.0.9'" \
+        in stale.stderr and "planning again" in stale.stderr
+    assert not _summary(stale.stdout)["plan"]["reused"]
+    assert auto.read(plan["path"])["where"]["tfdist"] != "0.0.9"   # written anew
