@@ -367,6 +367,8 @@ def _check_run(config, strategy, dataset_fn, spec):
     compression.check_engine(tc, strategy)
     check_batch(config, strategy.num_replicas)
     xla.check(tc.jit_compile, strategy)
+    if "bfloat16" in tc.precision and hardware.bf16_refusal():
+        raise UsageError(f"--precision={tc.precision}: {hardware.bf16_refusal()}")
     if tc.profile_steps and not tc.model_dir:
         raise UsageError(f"--profile_steps={','.join(map(str, tc.profile_steps))} writes its "
                          "trace into model_dir/tensorboard; set --model_dir")

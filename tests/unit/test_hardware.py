@@ -35,3 +35,24 @@ def test_this_machine_is_described():
     info = hardware.as_dict()
     assert info["cpu"] and info["cpu_cores"] >= 1
     assert info["bf16"] in ("AMX", "AVX-512", "emulated")
+
+
+def test_bf16_under_a_onednn_cap_below_avx512_is_refused_where_it_would_abort(monkeypatch):
+    """On an AVX-512 CPU, TensorFlow routes bf16 matmuls to oneDNN, which a cap
+    below AVX-512 forbids (the process aborts: checked by hand on TF 2.21);
+    caps at AVX-512 and CPUs without it (TensorFlow's own kernels) are fine."""
+    import pytest
+    from tfdist.errors import UsageError
+    from tfdist.observe import peak
+    avx512 = ["avx2", "fma", "avx512f", "avx512_bf16"]
+    _fake_cpu(monkeypatch, avx512)
+    assert hardware.bf16_refusal() is None                      # the control: no cap
+    for limit in ("AVX512_CORE", "AVX512_CORE_BF16", "ALL"):
+        _fake_cpu(monkeypatch, avx512, limit=limit)
+        assert hardware.bf16_refusal() is None, limit
+    _fake_cpu(monkeypatch, ["avx2", "fma"], limit="AVX2")
+    assert hardware.bf16_refusal() is None                      # no AVX-512: TF's kernels
+    _fake_cpu(monkeypatch, avx512, limit="avx2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in hardware.bf16_refusal()
+    with pytest.raises(UsageError, match="ONEDNN_MAX_CPU_ISA=AVX2"):
+        peak.matmul_peak_tflops("bfloat16", refresh=True)        # never probed: it would abort

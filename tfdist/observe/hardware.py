@@ -72,6 +72,25 @@ def isa_limit() -> str | None:
     return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
 
 
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) below AVX-512. Under one of them on a
+# CPU with AVX-512, TensorFlow (2.21) still routes bfloat16 matmuls to
+# oneDNN, as it decides from the CPU's own flags, and oneDNN, capped, cannot
+# create the primitive: the process aborts ("could not create a primitive
+# descriptor for the matmul primitive"). On a CPU without AVX-512 TensorFlow
+# takes its own bfloat16 kernels and nothing aborts.
+_CAPS_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+
+
+def bf16_refusal() -> str | None:
+    """Why bfloat16 matmuls would abort this process, or None."""
+    limit = (isa_limit() or "").upper()
+    if limit not in _CAPS_BELOW_AVX512 or "AVX-512" not in isa_features():
+        return None
+    return (f"ONEDNN_MAX_CPU_ISA={limit} on this AVX-512 CPU aborts TensorFlow's bfloat16 "
+            "matmuls (TensorFlow picks oneDNN's bf16 kernel from the CPU, which the cap "
+            "forbids); unset the cap, or use --precision=float32")
+
+
 def bf16_support() -> str:
     """How bfloat16 matmuls run here: 'AMX', 'AVX-512', or 'emulated'."""
     features = isa_features()

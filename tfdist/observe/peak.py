@@ -80,7 +80,10 @@ def precision_peak_tflops(precision: str, *, measure: bool = True):
     float32's: otherwise an XLA bf16 step could show an MFU above 1.
     """
     peaks = []
-    for dtype in {compute_dtype(precision), "float32"}:
+    dtypes = {compute_dtype(precision), "float32"}
+    if hardware.bf16_refusal():   # bf16 matmuls would abort: float32's speed is the peak
+        dtypes.discard("bfloat16")
+    for dtype in dtypes:
         if measure:
             peaks.append(matmul_peak_tflops(dtype))
         else:
@@ -102,6 +105,8 @@ def _peak(dtype: str, *, refresh: bool) -> tuple[float, str]:
     'measured X.XXX, kept the cached figure' when the new probe was lower)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if dtype == "bfloat16" and hardware.bf16_refusal():
+        raise UsageError(hardware.bf16_refusal())
     key = _cache_key(dtype)
     cached = _read_cache().get(key)
     if not (isinstance(cached, (int, float)) and not isinstance(cached, bool) and cached > 0):
