@@ -95,3 +95,20 @@ def test_auto_is_a_strategy_but_not_an_engine():
 def test_json_lists_come_back_as_the_tuples_the_configuration_declares():
     assert auto._typed({"pipeline_split": ["a", "b"], "zero_stage": 1}) == {
         "pipeline_split": ("a", "b"), "zero_stage": 1}
+
+
+def test_a_cluster_over_several_hosts_is_refused_in_one_line_before_any_trial(
+        tmp_path, monkeypatch):
+    """Trials on one host cannot measure the links between hosts: with no
+    cached plan every worker stops at once, naming what to do instead."""
+    import json
+    monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["localhost:12345", "otherhost:12345"]},
+        "task": {"type": "worker", "index": 0}}))
+    config = run_config(batch=32).replace(strategy=run_config().strategy.replace(name="auto"))
+    with pytest.raises(UsageError) as error:
+        auto.choose_here(config, log=lambda line: None)
+    message = str(error.value)
+    assert "\n" not in message and "2 hosts" in message
+    assert "tfdist-plan --plan_workers=2" in message

@@ -9,8 +9,8 @@ matches is reused where it was made on this kind of host with these
 versions; else it is not reused, the log says why, and the run plans again.
 On a cluster the chief plans (its trials run on its host) and writes the
 plan; the other workers wait for it, bounded, or find it cached. A cluster
-over several hosts needs a plan made ahead (`tfdist-plan`): trials on one
-host would not measure the links between them.
+over several hosts is refused unless its plan is cached: trials on one host
+would not measure the links between them.
 
 Plans live in the cache directory (`TFDIST_CACHE_DIR`, default
 ~/.cache/tfdist) under plans/KEY.json; on a cluster of several hosts every
@@ -156,7 +156,8 @@ def choose(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
         with open(request_path, "w") as f:
             json.dump(request, f)
         proc = subprocess.Popen([sys.executable, "-m", "tfdist.planner.choose", request_path,
-                                 out], env={**os.environ, "PYTHONPATH": _python_path()})
+                                 out], env={**os.environ, "PYTHONPATH": _python_path()},
+                                preexec_fn=_die_with_parent)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -172,6 +173,17 @@ def choose(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
                          f"exited with status {proc.returncode}")
     choice = Choice(**answer)
     return search_lib.apply(config, choice.engine, _typed(choice.options)), choice
+
+
+def _die_with_parent() -> None:
+    """In the planning process: SIGTERM when the training process dies (Linux
+    prctl PR_SET_PDEATHSIG), so a killed run leaves no planner behind."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def read_answer(path: str) -> dict:
@@ -200,24 +212,24 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
                  (spec_cluster.cluster.values() if spec_cluster else ())
                  for address in addresses}) or 1
     options["processes"] = processes
-    signature = model_signature(config, model_fn, dataset_fn, spec)
-    key = key_of(what_of(config, signature, processes, hosts, options.get("memory_budget"),
-                         bool(options.get("allow_lossy"))))
+    what = what_of(config, model_signature(config, model_fn, dataset_fn, spec), processes,
+                   hosts, options.get("memory_budget"), bool(options.get("allow_lossy")))
+    key = key_of(what)
     path, where = cache_path(key), where_now()
     record = read(path)
     reason = stale_reason(record, where) if record else None
     reused = bool(record) and not reason
     if reused:
         log(f"reusing the plan {key} ({path})")
+    elif hosts > 1:   # every worker says so at once
+        raise UsageError(
+            f"--strategy=auto cannot plan for a cluster of {hosts} hosts (plan {key}): trials "
+            f"on one host do not measure the links between hosts; plan on one host with "
+            f"tfdist-plan --plan_workers={processes} and run its flagfile on every host")
     elif spec_cluster and not spec_cluster.is_chief:
         log(f"waiting for the chief's plan {key} at {path}")
         record = wait_for(path, key, where,
                           options.get("search_seconds", 180.0) + WAIT_MARGIN_S)
-    elif hosts > 1:
-        raise UsageError(
-            f"--strategy=auto on a cluster of {hosts} hosts needs its plan {key} made ahead "
-            f"at {path}" + (f" ({reason})" if reason else "") + ": trials on one host do not "
-            "measure the links between hosts; choose with tfdist-plan and run its flagfile")
     else:
         if reason:
             log(f"the cached plan {key} is not reused: {reason}; planning again")
@@ -225,10 +237,7 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
         base = config.replace(strategy=config.strategy.replace(name=strategies.REFERENCE))
         made = make_plan(base, model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
                          layout_rules=layout_rules, log=log, **options)
-        record = {"what": what_of(config, signature, processes, hosts,
-                                  options.get("memory_budget"),
-                                  bool(options.get("allow_lossy"))),
-                  "where": where, "engine": made.winner.engine,
+        record = {"what": what, "where": where, "engine": made.winner.engine,
                   "options": made.winner.options, "describe": made.winner.describe(),
                   "examples_per_sec": made.winner.measured_rate(),
                   "runner_up": made.runner_up.describe() if made.runner_up else "",

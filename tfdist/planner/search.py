@@ -219,14 +219,16 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
                 break
             queue = pending
         candidate = pending[0]
-        _trial(search, candidate, tried + 1)
+        measure(search, candidate, tried + 1)
         tried += 1
     _refine(candidates, search.facts.global_batch)
     measured = [c for c in candidates if c.measured_rate()]
     return max(measured, key=lambda c: c.measured_rate()) if measured else None
 
 
-def _trial(search: Search, candidate: Candidate, number: int) -> None:
+def measure(search: Search, candidate: Candidate, number: int) -> None:
+    """Run `candidate`'s trial (its own length and processes); its result and the
+    estimate for that length are set on it."""
     estimate = candidate.estimate
     timeout = max(30.0, min(search.left(), 240.0))
     cap = int(search.facts.host.memory_budget) if search.cap else None

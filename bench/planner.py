@@ -1,0 +1,194 @@
+"""Is the planner's pick the best, and is its model right? (`tfdist.plan`)
+
+For each model (bundled ones by name, and two models tfdist did not build,
+bench/planner_models.py: a subclassed residual MLP and a functional
+wide-and-deep model over ids):
+
+1. The planner's search as a user runs it (`tfdist.plan`, its default
+   trials and time bound): its pick and the search's seconds.
+2. The exhaustive grid over the same candidates (every one the planner
+   predicted to fit), each measured in a trial process of its own, as the
+   planner measures its trials; with --grid_passes=2 the grid again, for the
+   grid's own repeat-vs-repeat Kendall tau (the noise's ceiling).
+3. The pick against the grid's best, re-measured interleaved (--repeats
+   each, medians): the pick's share of the best.
+4. Kendall tau of the planner's predicted examples/s against the grid's
+   measured; the search's time against the grid's; each grid run's
+   predicted peak memory against its measured peak (the memory rule: within
+   15% where the predicted bytes above the runtime are at least 1 GiB,
+   else within 150 MiB).
+5. The pick against tfdist's default flags (mirrored over 2 virtual
+   devices, --jit_compile=auto), measured the same way.
+
+Ratios, not absolute times: 2 shared cores. Usage:
+
+    python bench/planner.py [--models=mlp,residual,wide_deep] [--grid_passes=1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+GiB, MiB = 2**30, 2**20
+
+
+def kendall_tau(xs: list, ys: list) -> float:
+    """Kendall's tau-b of two equally long sequences."""
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    n = concordant + discordant
+    denominator = ((n + ties_x) * (n + ties_y)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else float("nan")
+
+
+def _within_rule(predicted: float, measured: float, runtime: float) -> bool:
+    above = predicted - runtime
+    allowed = 0.15 * predicted if above >= GiB else 150 * MiB
+    return abs(predicted - measured) <= allowed
+
+
+def _setup(name: str):
+    """(RunConfig, model_fn, dataset_fn, spec) of model `name`."""
+    import tfdist
+    import planner_models as outside
+    base = dict(strategy=tfdist.StrategyConfig(virtual_devices=2),
+                optimizer=tfdist.OptimizerConfig(name="adam"),
+                train=tfdist.TrainConfig(global_batch_size=256, train_steps=200))
+    if name == "residual":
+        return (tfdist.RunConfig(**base), outside.residual_fn, outside.vectors_fn,
+                outside.VECTORS)
+    if name == "wide_deep":
+        return (tfdist.RunConfig(**base), outside.wide_deep_fn, outside.ids_fn, outside.TOKENS)
+    width = {"mlp": 512, "cnn": 32, "transformer": 128}[name]
+    return (tfdist.RunConfig(**base, model=tfdist.ModelConfig(name=name, width=width),
+                             data=tfdist.DataConfig(synthetic=True)), None, None, None)
+
+
+def _fresh(candidate):
+    return dataclasses.replace(candidate, trial=None, trial_estimate=None)
+
+
+def bench_model(name: str, args, work: str) -> dict:
+    import tfdist
+    from tfdist import config as config_lib
+    from tfdist.planner import calibrate, functions as functions_lib, search as search_lib
+    from tfdist.planner import trial_config, trials as trials_lib
+    config, model_fn, dataset_fn, spec = _setup(name)
+    plan = tfdist.plan(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
+                       log=lambda line: print(f"  [{name}] {line}", flush=True), work_dir=work)
+    functions = {"model_fn": functions_lib.reference(model_fn, "model_fn"),
+                 "dataset_fn": functions_lib.reference(dataset_fn, "dataset_fn"),
+                 "layout_rules": None, "spec": functions_lib.spec_record(spec)}
+    search = search_lib.Search(facts=plan.facts, functions=functions, trials=0,
+                               seconds=1e9, log=lambda line: None, work_dir=work,
+                               trial_config=lambda c: trial_config(config, c))
+    grid = search_lib.rank(plan.candidates)
+    passes = []
+    for number in range(args.grid_passes):
+        measured = []
+        for index, candidate in enumerate(grid):
+            run = _fresh(candidate)
+            search_lib.measure(search, run, index + 1)
+            measured.append(run)
+            print(f"  [{name}] grid {number + 1}.{index + 1}/{len(grid)}: {run.describe()}: "
+                  f"{run.measured_rate() or run.trial.reason}", flush=True)
+        passes.append(measured)
+    first = passes[0]
+    ok = [i for i, run in enumerate(first) if run.measured_rate()]
+    best = max(ok, key=lambda i: first[i].measured_rate())
+    pick = next(i for i, c in enumerate(grid) if c.describe() == plan.winner.describe())
+    rates = {"pick": [], "best": []}
+    for _ in range(args.repeats):   # interleaved: the host's drift hits both alike
+        for label, index in (("pick", pick), ("best", best)):
+            run = _fresh(grid[index])
+            search_lib.measure(search, run, 0)
+            rates[label].append(run.measured_rate() or 0.0)
+    defaults = calibrate.trial_config(
+        config.replace(strategy=config.strategy.replace(name="mirrored")),
+        trial_config(config, grid[pick]).train.steps_per_loop)
+    default = trials_lib.run([config_lib.as_flags(defaults)], functions=functions,
+                             timeout=240, work_dir=work)
+    predicted = [grid[i].predicted_rate(plan.facts.global_batch) for i in ok]
+    tau = kendall_tau(predicted, [first[i].measured_rate() for i in ok])
+    repeat_tau = None
+    if len(passes) > 1:
+        both = [i for i in ok if passes[1][i].measured_rate()]
+        repeat_tau = kendall_tau([first[i].measured_rate() for i in both],
+                                 [passes[1][i].measured_rate() for i in both])
+    errors = []
+    for run in first:
+        if run.measured_peak():
+            runtime = run.trial_estimate.memory.get("runtime", 0.0)
+            errors.append((abs(run.expected_peak() - run.measured_peak()),
+                           _within_rule(run.expected_peak(), run.measured_peak(), runtime),
+                           run.describe()))
+    worst = max(errors) if errors else (0.0, True, "-")
+    grid_seconds = sum(run.trial.seconds for run in first)
+    return {
+        "model": name, "grid": len(grid), "pick": plan.winner.describe(),
+        "best": first[best].describe(),
+        "pick / best": statistics.median(rates["pick"]) / statistics.median(rates["best"]),
+        "search s": plan.seconds, "search / grid": plan.seconds / grid_seconds,
+        "tau": tau, "repeat tau": repeat_tau,
+        "pick / defaults": statistics.median(rates["pick"]) / (default.examples_per_sec or
+                                                                 float("nan")),
+        "worst memory error MiB": worst[0] / MiB, "memory rule": sum(e[1] for e in errors),
+        "runs": len(errors), "worst": worst[2]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="mlp,residual,wide_deep")
+    parser.add_argument("--grid_passes", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    clock = common.Clock()
+    print(common.hardware_header(), flush=True)
+    header = ["model", "grid", "pick", "best", "pick / best", "search s", "search / grid",
+              "tau", "repeat tau", "pick / defaults", "worst memory error MiB",
+              "within the memory rule", "worst memory case"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-planner-") as work:
+        for name in args.models.split(","):
+            r = bench_model(name, args, work)
+            row = [r["model"], r["grid"], r["pick"], r["best"], f"{r['pick / best']:.2f}",
+                   f"{r['search s']:.0f}", f"{r['search / grid']:.2f}", f"{r['tau']:.2f}",
+                   "-" if r["repeat tau"] is None else f"{r['repeat tau']:.2f}",
+                   f"{r['pick / defaults']:.2f}", f"{r['worst memory error MiB']:.0f}",
+                   f"{r['memory rule']}/{r['runs']}", r["worst"]]
+            common.print_row(row, header)
+            rows.append(row)
+    description = (
+        "The planner's pick (tfdist.plan with its defaults: 5 trials, 180 s) against the "
+        "exhaustive grid over the candidates it predicted to fit (each a trial process, as "
+        "the planner measures), the pick and the grid's best re-measured interleaved "
+        f"({args.repeats} each, medians); Kendall tau of predicted vs measured examples/s "
+        "over the grid (repeat tau: the grid measured twice, the noise's ceiling); each "
+        "grid run's predicted peak against its measured peak; the pick against tfdist's "
+        "default flags (mirrored, 2 virtual devices, --jit_compile=auto).")
+    common.finish("planner", "The planner against the exhaustive grid", description, rows,
+                  header, clock)
+
+
+if __name__ == "__main__":
+    main()
