@@ -112,19 +112,20 @@ _CLI_ONLY = {"engine and cluster": (_PRINT_LAYOUTS.name, _PRINT_STAGES.name),
 
 # tfdist-plan's own flags (beside every run flag, which describe the run to plan).
 _MEMORY_BUDGET = flags.DEFINE_string(
-    "memory_budget", None, "tfdist-plan and --strategy=auto: the memory each process may use, in bytes with an "
-    "optional K, M or G suffix (powers of 1024, e.g. 6G); default: this process's cgroup "
-    "limit, else the machine's memory (shared among --plan_workers).")
+    "memory_budget", None, "tfdist-plan and --strategy=auto: the memory each process may "
+    "use, in bytes with an optional K, M or G suffix (powers of 1024, e.g. 6G); default: "
+    "this process's cgroup limit, else the machine's memory (shared among --plan_workers).")
 _PLAN_TRIALS = flags.DEFINE_integer(
-    "plan_trials", 5, "tfdist-plan and --strategy=auto: the most candidates measured in trial processes.",
-    lower_bound=1)
+    "plan_trials", 5, "tfdist-plan and --strategy=auto: the most candidates measured in "
+    "trial processes.", lower_bound=1)
 _SEARCH_SECONDS = flags.DEFINE_float(
-    "search_seconds", 180.0, "tfdist-plan and --strategy=auto: the seconds the search may take, measurements "
-    "included (no new trial starts after them).", lower_bound=10.0, upper_bound=86400.0)
+    "search_seconds", 180.0, "tfdist-plan and --strategy=auto: the seconds the search may "
+    "take, measurements included (no new trial starts after them).", lower_bound=10.0,
+    upper_bound=86400.0)
 _ALLOW_LOSSY = flags.DEFINE_boolean(
-    "allow_lossy", False, "tfdist-plan and --strategy=auto: also consider choices that change what is computed "
-    "(mixed precision; each option declared as changing the math); default: only choices "
-    "that train the same model as one device.")
+    "allow_lossy", False, "tfdist-plan and --strategy=auto: also consider choices that "
+    "change what is computed (mixed precision; each option declared as changing the "
+    "math); default: only choices that train the same model as one device.")
 _EXPLAIN = flags.DEFINE_boolean(
     "explain", False, "tfdist-plan: print the chosen candidate's predicted memory and time "
     "term by term.")
@@ -135,9 +136,9 @@ _PLAN_WORKERS = flags.DEFINE_integer(
     "plan_workers", 1, "tfdist-plan: plan for this many worker processes on this host "
     "(tfdist-launch --workers=N); 1: one process and its devices.", lower_bound=1)
 _CAP_TRIALS = flags.DEFINE_boolean(
-    "cap_trials", False, "tfdist-plan and --strategy=auto: run each trial under a memory cap of --memory_budget "
-    "(tfdist-launch --worker_memory): a candidate that would not fit is OOM-killed, a row "
-    "with its reason.")
+    "cap_trials", False, "tfdist-plan and --strategy=auto: run each trial under a memory "
+    "cap of --memory_budget (tfdist-launch --worker_memory): a candidate that would not "
+    "fit is OOM-killed, a row with its reason.")
 PLAN_GROUP = "planner"   # tfdist-plan's
 PLAN_FLAGS = (_MEMORY_BUDGET.name, _PLAN_TRIALS.name, _SEARCH_SECONDS.name, _ALLOW_LOSSY.name,
               _EXPLAIN.name, _PLAN_FILE.name, _PLAN_WORKERS.name, _CAP_TRIALS.name)
