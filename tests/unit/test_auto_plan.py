@@ -112,3 +112,4 @@ def test_a_cluster_over_several_hosts_is_refused_in_one_line_before_any_trial(
     message = str(error.value)
     assert "\n" not in message and "2 hosts" in message
     assert "tfdist-plan --plan_workers=2" in message
+

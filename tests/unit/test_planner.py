@@ -159,3 +159,22 @@ def test_the_step_overhead_is_the_intercept_of_the_two_step_times(facts):
     # 10 ms at 8, 18 ms at 16: 1 ms per example, 2 ms whatever the batch.
     assert facts.step_overhead() == pytest.approx(0.002)
     assert math.isfinite(facts.compute_seconds(32, "float32", "off"))
+
+
+def test_no_bf16_calibration_where_bf16_matmuls_would_abort(monkeypatch):
+    """Under a oneDNN cap below AVX-512 on an AVX-512 CPU a bf16 run is
+    refused, so the planner's lossy calibration leaves bf16 out (its
+    candidates are then dropped as unmeasured); without the cap it runs it."""
+    from tfdist.observe import hardware
+    from tfdist.planner import calibrate
+    record = {"examples_per_sec": 100.0, "peak_rss_bytes": 2**29}
+    for refusal, runs in (("capped", 3), (None, 4)):
+        started = []
+        monkeypatch.setattr(hardware, "bf16_refusal", lambda r=refusal: r)
+        monkeypatch.setattr(calibrate, "_calibration_run",
+                            lambda number, count, runs, *a: started.append(runs)
+                            or [record] * len(runs))
+        calibration = calibrate.measure(run_config(batch=32), 4, True, {}, lambda line: None,
+                                        None, 60.0, lambda examples: 0.0)
+        assert len(started) == runs
+        assert (("mixed_bfloat16", "on") in calibration.rates) == (refusal is None)

@@ -63,6 +63,9 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
 
     processes = [[run("float32", "off", small)], [run("float32", "off", large)],
                  [run("float32", "on", large)]]
+    if lossy and hardware.bf16_refusal():   # its runs would be refused: no bf16 candidates
+        log(f"no mixed_bfloat16 candidates: {hardware.bf16_refusal()}")
+        lossy = False
     if lossy:
         processes.append([run("mixed_bfloat16", "off", large),
                           run("mixed_bfloat16", "on", large)])
