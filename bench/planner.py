@@ -96,9 +96,7 @@ def bench_model(name: str, args, work: str) -> dict:
     config, model_fn, dataset_fn, spec = _setup(name)
     plan = tfdist.plan(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
                        log=lambda line: print(f"  [{name}] {line}", flush=True), work_dir=work)
-    functions = {"model_fn": functions_lib.reference(model_fn, "model_fn"),
-                 "dataset_fn": functions_lib.reference(dataset_fn, "dataset_fn"),
-                 "layout_rules": None, "spec": functions_lib.spec_record(spec)}
+    functions = functions_lib.records(model_fn, dataset_fn, spec=spec)
     search = search_lib.Search(facts=plan.facts, functions=functions, trials=0,
                                seconds=1e9, log=lambda line: None, work_dir=work,
                                trial_config=lambda c: trial_config(config, c))

@@ -235,7 +235,7 @@ def train(config: RunConfig, *, model_fn: Optional[Callable[[DatasetSpec], keras
         layout_rules = sharding.as_layout_rules(layout_rules)
     if export_dir is not None:
         config = config.replace(train=config.train.replace(export_dir=export_dir))
-    if config.strategy.name == strategies.AUTO:
+    if strategies.is_auto(config.strategy):
         from tfdist.planner import auto
         return auto.train(train, config, plan_options, model_fn=model_fn, dataset_fn=dataset_fn,
                           spec=spec, layout_rules=layout_rules, loss=loss, metrics=metrics)

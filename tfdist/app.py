@@ -94,8 +94,8 @@ def main(argv: list[str]) -> None:
     strategies.check_name(config.strategy.name)
     strategies.check_cluster(config.strategy)
     models.check_name(config.model.name)
-    if config.strategy.name == strategies.AUTO and (tfdist_flags.print_stages()
-                                                    or tfdist_flags.print_layouts()):
+    if strategies.is_auto(config.strategy) and (tfdist_flags.print_stages()
+                                                or tfdist_flags.print_layouts()):
         usage_exit("--print_stages and --print_layouts describe one engine's layout; "
                    "--strategy=auto chooses the engine as it trains: run tfdist-plan and "
                    "pass them with its flagfile")
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
         print(api.describe_layouts(config), flush=True)
         return
     result = api.train(config, plan_options=tfdist_flags.plan_options()
-                       if config.strategy.name == strategies.AUTO else None)
+                       if strategies.is_auto(config.strategy) else None)
     if result.is_chief:
         print(json.dumps(result.summary, sort_keys=True), flush=True)
 

@@ -174,10 +174,7 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
     `UsageError` for bad input and for a budget no candidate fits."""
     started = time.monotonic()
     _check(memory_budget, trials, spec, dataset_fn)
-    functions = {"model_fn": functions_lib.reference(model_fn, "model_fn"),
-                 "dataset_fn": functions_lib.reference(dataset_fn, "dataset_fn"),
-                 "layout_rules": functions_lib.rules_record(layout_rules),
-                 "spec": functions_lib.spec_record(spec)}
+    functions = functions_lib.records(model_fn, dataset_fn, layout_rules, spec)
     host = host_facts(config, memory_budget, processes, allow_lossy)
     log(f"planning on {host.cpu}, {host.cores} cores, {host.devices} devices per process, "
         f"{processes} process(es), memory budget {host.memory_budget / GiB:.2f} GiB per process")

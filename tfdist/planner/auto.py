@@ -146,10 +146,7 @@ def choose(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
     from tfdist.planner import functions as functions_lib, search as search_lib
     options = dict(options or {})
     request = {"flags": config_lib.as_flags(config), "options": options,
-               "functions": {"model_fn": functions_lib.reference(model_fn, "model_fn"),
-                             "dataset_fn": functions_lib.reference(dataset_fn, "dataset_fn"),
-                             "layout_rules": functions_lib.rules_record(layout_rules),
-                             "spec": functions_lib.spec_record(spec)}}
+               "functions": functions_lib.records(model_fn, dataset_fn, layout_rules, spec)}
     timeout = options.get("search_seconds", 180.0) + WAIT_MARGIN_S + 120.0
     with tempfile.TemporaryDirectory(prefix="tfdist-auto-") as scratch:
         request_path, out = os.path.join(scratch, "request.json"), os.path.join(scratch, "out")

@@ -25,13 +25,8 @@ def main(argv: list[str]) -> int:
     try:
         config = tfdist_flags.run_config_of(request["flags"])   # resets absl's verbosity
         logging.set_verbosity(logging.INFO)   # the planner's progress, as tfdist-train's
-        fns = request["functions"]
         choice = auto.choose_here(
-            config, model_fn=functions.resolve(fns.get("model_fn")),
-            dataset_fn=functions.resolve(fns.get("dataset_fn")),
-            spec=functions.dataset_spec(fns.get("spec")),
-            layout_rules=functions.layout_rules(fns.get("layout_rules")),
-            options=request["options"],
+            config, **functions.resolved(request["functions"]), options=request["options"],
             log=lambda line: logging.info("--strategy=auto: %s", line))
         answer, status = dataclasses.asdict(choice), 0
     except UsageError as error:

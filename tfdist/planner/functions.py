@@ -88,3 +88,19 @@ def dataset_spec(record: Optional[dict]):
         return None
     from tfdist.data.spec import DatasetSpec
     return DatasetSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items()})
+
+
+def records(model_fn=None, dataset_fn=None, layout_rules=None, spec=None) -> dict:
+    """The user's functions, layout rules and data spec as JSON for a child
+    process (a trial, the --strategy=auto planner); `resolved` reads them."""
+    return {"model_fn": reference(model_fn, "model_fn"),
+            "dataset_fn": reference(dataset_fn, "dataset_fn"),
+            "layout_rules": rules_record(layout_rules), "spec": spec_record(spec)}
+
+
+def resolved(record: dict) -> dict:
+    """`records`' keywords (model_fn, dataset_fn, layout_rules, spec) again."""
+    return {"model_fn": resolve(record.get("model_fn")),
+            "dataset_fn": resolve(record.get("dataset_fn")),
+            "layout_rules": layout_rules(record.get("layout_rules")),
+            "spec": dataset_spec(record.get("spec"))}

@@ -44,16 +44,12 @@ def main(argv: list[str]) -> int:
         spec = json.load(f)
     from tfdist import flags as tfdist_flags   # defines tfdist's flags
     from tfdist.planner import functions
-    model_fn = functions.resolve(spec.get("model_fn"))
-    dataset_fn = functions.resolve(spec.get("dataset_fn"))
-    layout_rules = functions.layout_rules(spec.get("layout_rules"))
-    data_spec = functions.dataset_spec(spec.get("spec"))
+    user = functions.resolved(spec)
     from tfdist import api
     task = _task_index()
     for index, run in enumerate(spec["runs"]):
         config = tfdist_flags.run_config_of(run)
-        result = api.train(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=data_spec,
-                           layout_rules=layout_rules)
+        result = api.train(config, **user)
         summary = result.summary or {}
         record = {"examples_per_sec": summary.get("examples_per_sec"),
                   "loss": summary.get("loss"),

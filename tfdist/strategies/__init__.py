@@ -104,13 +104,18 @@ def engine(name: str) -> Engine:
     return _REGISTRY.entry(name)
 
 
+def is_auto(config: StrategyConfig) -> bool:
+    """Whether the planner chooses the engine (`--strategy=auto`)."""
+    return config.name == AUTO
+
+
 def check_cluster(config: StrategyConfig) -> None:
     """Raise `UsageError` for a cluster `config.name`'s engine cannot use (no
     TensorFlow; the environment is not changed). `tfdist-train` runs it
     before TensorFlow loads, so a bad TF_CONFIG is one line in a fraction of a
     second instead of after TensorFlow's start-up (about 5 CPU-seconds); the
     engine checks again when set up. Under auto: any cluster of workers."""
-    check = _WORKERS_IF_ANY if config.name == AUTO else engine(config.name).cluster
+    check = _WORKERS_IF_ANY if is_auto(config) else engine(config.name).cluster
     if check is not None:
         check(config, dict(os.environ))
 
@@ -129,5 +134,5 @@ def create(config: StrategyConfig) -> Strategy:
     return adapter_class(engine(config.name))(config)
 
 
-__all__ = ["AUTO", "Engine", "Strategy", "adapter_class", "check_cluster", "check_name", "create", "engine", "engines",
+__all__ = ["AUTO", "Engine", "Strategy", "adapter_class", "check_cluster", "check_name", "create", "engine", "engines", "is_auto",
            "names", "register", "unregister"]
