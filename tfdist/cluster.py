@@ -1,4 +1,5 @@
-"""Cluster topology: TF_CONFIG validation, `--worker_hosts`, Slurm, virtual CPU devices.
+"""Cluster topology: TF_CONFIG validation, `--worker_hosts`, Slurm, Kubernetes
+Indexed Jobs, virtual CPU devices.
 
 TF_CONFIG is checked here, in plain Python, before TensorFlow starts: a bad
 cluster description must fail in one line at once, not after a worker has
@@ -13,7 +14,7 @@ import os
 import socket
 from typing import Optional
 
-from tfdist import slurm, tf_config
+from tfdist import kubernetes_job, slurm, tf_config
 from tfdist.errors import UsageError
 
 # MultiWorkerMirroredStrategy runs chief and worker tasks; parameter servers
@@ -158,7 +159,8 @@ def tf_config_from_hosts(worker_hosts, task_index: Optional[int]) -> str:
 def resolve(worker_hosts=(), task_index: Optional[int] = None,
             environ=os.environ) -> Optional[ClusterSpec]:
     """This process's cluster: from --worker_hosts (written to TF_CONFIG), from
-    TF_CONFIG, or from the Slurm job step it runs in (also written to TF_CONFIG).
+    TF_CONFIG, from the Kubernetes Indexed Job whose pod it is, or from the
+    Slurm job step it runs in (those two also written to TF_CONFIG).
 
     None when there is none of these (a single process).
     """
@@ -173,8 +175,26 @@ def resolve(worker_hosts=(), task_index: Optional[int] = None,
         raise UsageError(f"--task_index={task_index} needs --worker_hosts")
     text = environ.get("TF_CONFIG")
     if not text:
-        return _from_slurm(environ)
+        return _from_indexed_job(environ) or _from_slurm(environ)
     return parse_tf_config(text)
+
+
+def _from_indexed_job(environ) -> Optional[ClusterSpec]:
+    """The cluster of this pod's Indexed Job (tfdist/kubernetes_job.py), once
+    every worker's name resolves; None unless TFDIST_JOB_COMPLETIONS is set.
+    Written to TF_CONFIG, which MultiWorkerMirroredStrategy reads."""
+    task = kubernetes_job.task_from_environ(environ)
+    if task is None:
+        return None
+    from absl import logging
+    kubernetes_job.wait_for_peers(task, environ, log=logging.warning)
+    host = task.address.rpartition(":")[0]
+    if not _is_local(host):
+        raise UsageError(f"{task.describe()}: its name {host} resolves, but not to an address "
+                         f"of this pod; is {kubernetes_job.INDEX} this pod's index and "
+                         f"{kubernetes_job.NAME} the Job's name?")
+    environ["TF_CONFIG"] = task.tf_config()
+    return parse_tf_config(environ["TF_CONFIG"], check_local=False)
 
 
 def _from_slurm(environ) -> Optional[ClusterSpec]:
