@@ -15,8 +15,10 @@ its pod template's `subdomain` names a Service in the files that is headless,
 publishes not-ready addresses and selects the Job's pods; TFDIST_JOB_COMPLETIONS
 is `spec.completions` and `parallelism` is too; TFDIST_JOB_SERVICE is the
 subdomain; TFDIST_JOB_NAME is the Job's name; TFDIST_JOB_PORT (default 2222)
-is a containerPort and a port of the Service; and no container also passes a
-host list (`--worker_hosts`, `--task_index`). A Kubeflow TFJob's Worker
+is a containerPort and a port of the Service; no container also passes a
+host list (`--worker_hosts`, `--task_index`); and a failed worker restarts in
+its pod (`restartPolicy: OnFailure`, `backoffLimit` at least 2: one loss
+restarts the lost worker and its peers). A Kubeflow TFJob's Worker
 replica needs a container named `tensorflow` with a port named `tfjob-port`.
 """
 
@@ -126,6 +128,7 @@ def _check_job(job: Resource, services: list[Resource]) -> list[str]:
         problems.append(job.problem("spec.parallelism", f"{spec['parallelism']!r}; expected "
                                     f"{completions!r} (spec.completions): synchronous "
                                     "training needs every worker at once"))
+    problems += _check_restarts(job, spec)
     subdomain = _at(spec, "template", "spec", "subdomain")
     service = _find_service(job, subdomain, services, problems)
     containers = _tfdist_containers(job)
@@ -137,6 +140,23 @@ def _check_job(job: Resource, services: list[Resource]) -> list[str]:
         problems += _host_flags(job, i, container)
     if service is not None:
         problems += _check_service(service, job)
+    return problems
+
+
+def _check_restarts(job: Resource, spec: dict) -> list[str]:
+    """A lost worker ends its peers too (non-zero), and all must start again
+    together: each container restarts in its pod (OnFailure), and the Job's
+    backoffLimit, which counts the restarts of all pods, allows at least the
+    two of one loss."""
+    problems, policy = [], _at(spec, "template", "spec", "restartPolicy")
+    if policy != "OnFailure":
+        problems.append(job.problem(f"{POD}.restartPolicy", f"{_show(policy)}; expected "
+                                    "OnFailure (a failed worker restarts in its pod, with its "
+                                    "name, and its peers with it)"))
+    limit = spec.get("backoffLimit", 6)   # Kubernetes' default
+    if not isinstance(limit, int) or limit < 2:
+        problems.append(job.problem("spec.backoffLimit", f"{limit!r}; expected at least 2 (a "
+                                    "lost worker restarts, and so does each peer)"))
     return problems
 
 

@@ -278,6 +278,13 @@ MUTATIONS = {
                                        "--task_index=0"), [
         f"{CONTAINER}.args: passes --task_index, --worker_hosts; expected no host list: "
         "tfdist composes the cluster from the Job's variables"]),
+    "a failed pod not restarted": (lambda docs: _one(docs, "Job")["spec"]["template"][
+        "spec"].update(restartPolicy="Never"), [
+        f"{JOB}: spec.template.spec.restartPolicy: 'Never'; expected OnFailure (a failed "
+        "worker restarts in its pod, with its name, and its peers with it)"]),
+    "no restart allowed": (lambda docs: _one(docs, "Job")["spec"].update(backoffLimit=0), [
+        f"{JOB}: spec.backoffLimit: 0; expected at least 2 (a lost worker restarts, and so "
+        "does each peer)"]),
     "tfjob container renamed": (lambda docs: _one(docs, "TFJob")["spec"]["tfReplicaSpecs"][
         "Worker"]["template"]["spec"]["containers"][0].update(name="trainer"), [
         f"{TFJOB}: TFJob/tfdist-cnn: spec.tfReplicaSpecs.Worker.template.spec.containers: no "
