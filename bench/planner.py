@@ -23,6 +23,11 @@ wide-and-deep model over ids):
 Ratios, not absolute times: 2 shared cores. Usage:
 
     python bench/planner.py [--models=mlp,residual,wide_deep] [--grid_passes=1]
+    python bench/planner.py --memory_only [--models=...]
+
+--memory_only runs the planner's search and the grid only, and writes each
+grid run's predicted and measured peak, term by term
+(bench/results/planner_memory.md): the memory model's error per configuration.
 """
 
 from __future__ import annotations
@@ -88,29 +93,60 @@ def _fresh(candidate):
     return dataclasses.replace(candidate, trial=None, trial_estimate=None)
 
 
-def bench_model(name: str, args, work: str) -> dict:
+def _grid(name: str, work: str, passes: int, log=print):
+    """(plan, search, grid, [measured runs of each pass]) of model `name`."""
     import tfdist
-    from tfdist import config as config_lib
-    from tfdist.planner import calibrate, functions as functions_lib, search as search_lib
-    from tfdist.planner import trial_config, trials as trials_lib
+    from tfdist.planner import functions as functions_lib, search as search_lib, trial_config
     config, model_fn, dataset_fn, spec = _setup(name)
     plan = tfdist.plan(config, model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
-                       log=lambda line: print(f"  [{name}] {line}", flush=True), work_dir=work)
+                       log=lambda line: log(f"  [{name}] {line}"), work_dir=work)
     functions = functions_lib.records(model_fn, dataset_fn, spec=spec)
     search = search_lib.Search(facts=plan.facts, functions=functions, trials=0,
                                seconds=1e9, log=lambda line: None, work_dir=work,
                                trial_config=lambda c: trial_config(config, c))
     grid = search_lib.rank(plan.candidates)
-    passes = []
-    for number in range(args.grid_passes):
+    passes_run = []
+    for number in range(passes):
         measured = []
         for index, candidate in enumerate(grid):
             run = _fresh(candidate)
             search_lib.measure(search, run, index + 1)
             measured.append(run)
-            print(f"  [{name}] grid {number + 1}.{index + 1}/{len(grid)}: {run.describe()}: "
-                  f"{run.measured_rate() or run.trial.reason}", flush=True)
-        passes.append(measured)
+            log(f"  [{name}] grid {number + 1}.{index + 1}/{len(grid)}: {run.describe()}: "
+                f"{run.measured_rate() or run.trial.reason}")
+        passes_run.append(measured)
+    return plan, search, grid, passes_run
+
+
+def memory_rows(name: str, runs: list) -> list:
+    """One row per measured grid run: its predicted and measured peak, the
+    error, the memory rule, and the predicted terms (MiB)."""
+    rows = []
+    for run in runs:
+        if not run.measured_peak():
+            continue
+        estimate, measured = run.trial_estimate, run.measured_peak()
+        runtime = estimate.memory.get("runtime", 0.0)
+        terms = ", ".join(f"{k} {v / MiB:.0f}" for k, v in estimate.memory.items() if v)
+        rows.append([name, run.describe(), f"{estimate.peak_bytes / MiB:.0f}",
+                     f"{measured / MiB:.0f}", f"{(measured - estimate.peak_bytes) / MiB:+.0f}",
+                     "yes" if _within_rule(estimate.peak_bytes, measured, runtime) else "no",
+                     terms])
+    return rows
+
+
+MEMORY_HEADER = ["model", "configuration", "predicted MiB", "measured MiB",
+                 "measured - predicted", "within the rule", "predicted terms (MiB)"]
+
+
+def bench_model(name: str, args, work: str) -> dict:
+    from tfdist import config as config_lib
+    from tfdist.planner import calibrate, functions as functions_lib, search as search_lib
+    from tfdist.planner import trial_config, trials as trials_lib
+    config, model_fn, dataset_fn, spec = _setup(name)
+    plan, search, grid, passes = _grid(name, work, args.grid_passes,
+                                       log=lambda line: print(line, flush=True))
+    functions = functions_lib.records(model_fn, dataset_fn, spec=spec)
     first = passes[0]
     ok = [i for i, run in enumerate(first) if run.measured_rate()]
     best = max(ok, key=lambda i: first[i].measured_rate())
@@ -159,9 +195,12 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,residual,wide_deep")
     parser.add_argument("--grid_passes", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory_only", action="store_true")
     args = parser.parse_args()
     clock = common.Clock()
     print(common.hardware_header(), flush=True)
+    if args.memory_only:
+        return memory_only(args, clock)
     header = ["model", "grid", "pick", "best", "pick / best", "search s", "search / grid",
               "tau", "repeat tau", "pick / defaults", "worst memory error MiB",
               "within the memory rule", "worst memory case"]
@@ -186,6 +225,24 @@ def main() -> None:
         "default flags (mirrored, 2 virtual devices, --jit_compile=auto).")
     common.finish("planner", "The planner against the exhaustive grid", description, rows,
                   header, clock)
+
+
+def memory_only(args, clock) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-planner-") as work:
+        for name in args.models.split(","):
+            _, _, _, passes = _grid(name, work, 1, log=lambda line: print(line, flush=True))
+            for row in memory_rows(name, passes[0]):
+                common.print_row(row, MEMORY_HEADER)
+                rows.append(row)
+    description = (
+        "Each grid run of the planner (a trial process per candidate, as the planner "
+        "measures) with its predicted peak, term by term, against its measured peak "
+        "(its memory cgroup's peak where it has one, else its peak resident set); the "
+        "memory rule: within 15% where the predicted bytes above the runtime are at least "
+        "1 GiB, else within 150 MiB.")
+    common.finish("planner_memory", "The planner's memory model per configuration",
+                  description, rows, MEMORY_HEADER, clock)
 
 
 if __name__ == "__main__":
