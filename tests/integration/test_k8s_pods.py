@@ -214,8 +214,9 @@ def test_pods_wait_for_their_peers_names_and_a_killed_pod_restarts_and_resumes(c
     killed_at = time.monotonic()
     cluster.procs[1].send_signal(signal.SIGKILL)
     failed_at = cluster.kubelet(deadline=time.monotonic() + 150)
-    print(f"starts per pod {cluster.starts}, restarts {cluster.restarts}, non-zero exits (s "
-          f"after the kill) { {i: [round(t - killed_at, 1) for t in ts] for i, ts in failed_at.items()} }")
+    exits = {i: [round(t - killed_at, 1) for t in ts] for i, ts in failed_at.items()}
+    print(f"starts per pod {cluster.starts}, restarts {cluster.restarts}, non-zero exits "
+          f"(s after the kill) {exits}")
     assert cluster.starts[0] >= 2, "pod 0 was never restarted\n" + cluster.tails()
     assert failed_at[0][0] - killed_at <= COLLECTIVE_TIMEOUT_S + MARGIN_S, cluster.tails()
     first = cluster.text(0, 0, "err")
