@@ -141,12 +141,11 @@ MEMORY_HEADER = ["model", "configuration", "predicted MiB", "measured MiB",
 
 def bench_model(name: str, args, work: str) -> dict:
     from tfdist import config as config_lib
-    from tfdist.planner import calibrate, functions as functions_lib, search as search_lib
+    from tfdist.planner import calibrate, search as search_lib
     from tfdist.planner import trial_config, trials as trials_lib
-    config, model_fn, dataset_fn, spec = _setup(name)
+    config = _setup(name)[0]
     plan, search, grid, passes = _grid(name, work, args.grid_passes,
                                        log=lambda line: print(line, flush=True))
-    functions = functions_lib.records(model_fn, dataset_fn, spec=spec)
     first = passes[0]
     ok = [i for i, run in enumerate(first) if run.measured_rate()]
     best = max(ok, key=lambda i: first[i].measured_rate())
@@ -160,7 +159,7 @@ def bench_model(name: str, args, work: str) -> dict:
     defaults = calibrate.trial_config(
         config.replace(strategy=config.strategy.replace(name="mirrored")),
         trial_config(config, grid[pick]).train.steps_per_loop)
-    default = trials_lib.run([config_lib.as_flags(defaults)], functions=functions,
+    default = trials_lib.run([config_lib.as_flags(defaults)], functions=search.functions,
                              timeout=240, work_dir=work)
     predicted = [grid[i].predicted_rate(plan.facts.global_batch) for i in ok]
     tau = kendall_tau(predicted, [first[i].measured_rate() for i in ok])
