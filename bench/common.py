@@ -226,11 +226,13 @@ class Clock:
 
 
 def finish(name: str, title: str, description: str, rows: list, header: list,
-           clock: "Clock") -> None:
+           clock: "Clock", after: str = "") -> None:
     """A benchmark's end: the table on stdout, its report section (what was
-    measured, then the table) written and printed, and how long it took."""
+    measured, then the table, then `after`) written and printed, and how
+    long it took."""
     print()
     print(table(rows, header))
     print()
-    print(write_section(name, title, f"{description}\n\n{markdown_table(rows, header)}"))
+    body = f"{description}\n\n{markdown_table(rows, header)}"
+    print(write_section(name, title, body + (f"\n\n{after}" if after else "")))
     print(f"{name}: {clock.minutes()}")

@@ -177,7 +177,12 @@ def bench_model(name: str, args, work: str) -> dict:
                            run.describe()))
     worst = max(errors) if errors else (0.0, True, "-")
     grid_seconds = sum(run.trial.seconds for run in first)
+    fit_rate, fit_label = best_fit(name, trial_config(config, grid[pick]).train.steps_per_loop)
+    cap = capped(search, first, pick, work)
     return {
+        "pick / fit": (statistics.median(rates["pick"]) / fit_rate if fit_rate
+                       else f"fit failed: {fit_label}"),
+        "best fit": fit_label, **cap,
         "model": name, "grid": len(grid), "pick": plan.winner.describe(),
         "best": first[best].describe(),
         "pick / best": statistics.median(rates["pick"]) / statistics.median(rates["best"]),
@@ -195,25 +200,42 @@ def main() -> None:
     parser.add_argument("--grid_passes", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory_only", action="store_true")
+    parser.add_argument("--fit_child", help=argparse.SUPPRESS)
+    parser.add_argument("--fit_steps_per_execution", type=int, default=20,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--fit_seconds", type=float, default=3.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fit_child:
+        return fit_child(args.fit_child, args.fit_steps_per_execution, args.fit_seconds)
     clock = common.Clock()
     print(common.hardware_header(), flush=True)
     if args.memory_only:
         return memory_only(args, clock)
     header = ["model", "grid", "pick", "best", "pick / best", "search s", "search / grid",
-              "tau", "repeat tau", "pick / defaults", "worst memory error MiB",
+              "tau", "repeat tau", "pick / defaults", "pick / best fit", "worst memory error MiB",
               "within the memory rule", "worst memory case"]
-    rows = []
+    cap_header = ["model", "cap MiB (pick's predicted peak + the rule's tolerance)",
+                  "the pick under the cap", "control: predicted just above the cap",
+                  "its predicted / measured MiB", "the control under the cap"]
+    rows, cap_rows = [], []
     with tempfile.TemporaryDirectory(prefix="bench-planner-") as work:
         for name in args.models.split(","):
             r = bench_model(name, args, work)
             row = [r["model"], r["grid"], r["pick"], r["best"], f"{r['pick / best']:.2f}",
                    f"{r['search s']:.0f}", f"{r['search / grid']:.2f}", f"{r['tau']:.2f}",
                    "-" if r["repeat tau"] is None else f"{r['repeat tau']:.2f}",
-                   f"{r['pick / defaults']:.2f}", f"{r['worst memory error MiB']:.0f}",
+                   f"{r['pick / defaults']:.2f}",
+                   (f"{r['pick / fit']:.2f} ({r['best fit']})"
+                    if isinstance(r["pick / fit"], float) else r["pick / fit"]),
+                   f"{r['worst memory error MiB']:.0f}",
                    f"{r['memory rule']}/{r['runs']}", r["worst"]]
             common.print_row(row, header)
             rows.append(row)
+            cap_row = [r["model"], f"{r['cap MiB']:.0f}", r["pick under cap"], r["control"],
+                       (f"{r['control predicted MiB']:.0f} / {r['control measured MiB']:.0f}"
+                        if r["control predicted MiB"] else "-"), r["control under cap"]]
+            common.print_row(cap_row, cap_header)
+            cap_rows.append(cap_row)
     description = (
         "The planner's pick (tfdist.plan with its defaults: 5 trials, 180 s) against the "
         "exhaustive grid over the candidates it predicted to fit (each a trial process, as "
@@ -221,9 +243,103 @@ def main() -> None:
         f"({args.repeats} each, medians); Kendall tau of predicted vs measured examples/s "
         "over the grid (repeat tau: the grid measured twice, the noise's ceiling); each "
         "grid run's predicted peak against its measured peak; the pick against tfdist's "
-        "default flags (mirrored, 2 virtual devices, --jit_compile=auto).")
+        "default flags (mirrored, 2 virtual devices, --jit_compile=auto) and against the "
+        "best working Keras `fit` on one device (with or without XLA, steps_per_execution "
+        "as the pick's loop) on the same model and input pipeline.")
+    after = ("The pick in a memory cgroup capped at its predicted peak plus the memory "
+             "rule's tolerance (`tfdist-launch --worker_memory`), and the control: the grid "
+             "run predicted just above that cap, under the same cap.\n\n"
+             + common.markdown_table(cap_rows, cap_header))
     common.finish("planner", "The planner against the exhaustive grid", description, rows,
-                  header, clock)
+                  header, clock, after=after)
+
+
+# -- Keras fit on the same model and data, beside the pick -----------------------------
+
+def fit_child(name: str, steps_per_execution: int, seconds: float) -> None:
+    """Keras `fit` on model `name`'s model and tfdist's own input pipeline
+    for it (as `bench/vs_fit.py` measures), without and with XLA, on one
+    device: a JSON line each with its examples/s or its error."""
+    import json
+    import keras
+    import tensorflow as tf
+    import vs_fit
+    from tfdist import models
+    from tfdist.data import inputs as inputs_lib
+    from tfdist.data.inputs import of_run
+    config, model_fn, dataset_fn, spec = _setup(name)
+    inputs = of_run(config, dataset_fn, spec)
+    batch = config.train.global_batch_size
+    data = inputs_lib.train_dataset_fn(
+        inputs, global_batch_size=batch, seed=0,
+        shuffle_buffer=config.data.shuffle_buffer)(tf.distribute.InputContext())
+    data = data.map(lambda x, y, weight: (x, y))
+    for label, jit in (("fit", False), ("fit+XLA", True)):
+        keras.utils.set_random_seed(0)
+        try:
+            model = inputs.built(model_fn(inputs.spec) if model_fn
+                                 else models.build(config.model, inputs.spec))
+            model.compile(keras.optimizers.Adam(1e-3),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          jit_compile=jit, steps_per_execution=steps_per_execution)
+            timer = vs_fit._step_timer(seconds)
+            model.fit(data, steps_per_epoch=10_000_000, epochs=1, verbose=0, callbacks=[timer])
+            print(json.dumps({"variant": label,
+                              "examples_per_sec": timer.steps * batch / timer.elapsed}),
+                  flush=True)
+        except Exception as error:  # noqa: BLE001 - a crash is a result here
+            print(json.dumps({"variant": label, "error": vs_fit._short_error(error)}),
+                  flush=True)
+
+
+def best_fit(name: str, steps_per_execution: int, seconds: float = 3.0) -> tuple:
+    """(examples/s of the best working fit, its label), from a child process."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--fit_child={name}",
+                          f"--fit_steps_per_execution={steps_per_execution}",
+                          f"--fit_seconds={seconds}"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    found = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    working = [r for r in found if r.get("examples_per_sec")]
+    if not working:
+        return None, "; ".join(r.get("error", "") for r in found) or out.stderr[-200:]
+    best = max(working, key=lambda r: r["examples_per_sec"])
+    return best["examples_per_sec"], best["variant"]
+
+
+# -- the pick under a memory cap just above its predicted peak, and the control --------
+
+def allowance(predicted: float, runtime: float) -> float:
+    """The memory rule's tolerance for a prediction (bytes)."""
+    return 0.15 * predicted if predicted - runtime >= GiB else 150 * MiB
+
+
+def capped(search, runs: list, pick: int, work: str) -> dict:
+    """The pick under `--worker_memory` at its predicted peak (for a trial's
+    length) plus the memory rule's tolerance, and, the control, the grid run
+    predicted just above that cap under the same cap: the first should
+    finish, the second be OOM-killed. `runs`: the grid's measured runs."""
+    from tfdist import config as config_lib
+    from tfdist.planner import trials as trials_lib
+    chosen = runs[pick].trial_estimate
+    cap = int(chosen.peak_bytes + allowance(chosen.peak_bytes, chosen.memory.get("runtime", 0)))
+    above = sorted((r for r in runs if r.trial_estimate and r.trial_estimate.peak_bytes > cap),
+                   key=lambda r: r.trial_estimate.peak_bytes)
+
+    def under_cap(run):
+        result = trials_lib.run([config_lib.as_flags(search.trial_config(run))],
+                                processes=run.estimate.processes, functions=search.functions,
+                                cap=cap, timeout=300, work_dir=work)
+        return "finished" if result.ok else result.reason
+
+    control = above[0] if above else None
+    return {"cap MiB": cap / MiB, "pick under cap": under_cap(runs[pick]),
+            "control": control.describe() if control else "-",
+            "control predicted MiB": control.trial_estimate.peak_bytes / MiB if control else None,
+            "control measured MiB": (control.measured_peak() or 0) / MiB if control else None,
+            "control under cap": under_cap(control) if control else
+            "no candidate is predicted above the cap"}
 
 
 def memory_only(args, clock) -> None:

@@ -178,3 +178,80 @@ def test_no_bf16_calibration_where_bf16_matmuls_would_abort(monkeypatch):
                                         None, 60.0, lambda examples: 0.0)
         assert len(started) == runs
         assert (("mixed_bfloat16", "on") in calibration.rates) == (refusal is None)
+
+
+def _probed(facts, per_byte: dict):
+    """`facts` with a probe whose measured peaks exceed the dtensor cost
+    model's own prediction by `per_byte[(stage, accum)]` bytes per computed
+    byte (the probe model is the test's mlp itself)."""
+    cost = search.cost_model(strategies.engine("dtensor"))
+    devices = facts.host.devices
+    bare = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, probe=costs.Probe(model=facts.model, batch=8, reference=600e6,
+                                             peaks={})))
+    peaks = {}
+    for variant, options in cost.probes(devices).items():
+        key = (options["zero_stage"], options["accum_steps"])
+        predicted = -costs.probe_residual(
+            dataclasses.replace(bare, calibration=dataclasses.replace(
+                bare.calibration, probe=dataclasses.replace(bare.calibration.probe,
+                                                            peaks={f"dtensor {variant}": 0.0}))),
+            cost, "dtensor", variant, options)
+        computed = cost._per_device(facts, options["mesh"], 0)["computed"] * devices
+        peaks[f"dtensor {variant}"] = predicted + per_byte.get(key, 0.0) * computed
+    return dataclasses.replace(facts, calibration=dataclasses.replace(
+        bare.calibration, probe=dataclasses.replace(bare.calibration.probe, peaks=peaks)))
+
+
+def test_dtensor_memory_adds_what_its_probe_measured_beyond_its_terms(facts):
+    """What the probe measured beyond the state terms, per computed byte at
+    each ZeRO stage and per further micro-batch, scales to a candidate; the
+    control: without a probe the term is 0."""
+    cost = search.cost_model(strategies.engine("dtensor"))
+    probed = _probed(facts, {(0, 1): 16.0, (1, 1): 20.0, (2, 1): 23.0, (3, 1): 6.0,
+                             (0, 8): 30.0, (3, 8): 27.0})
+    options = {"mesh": "batch:4,model:1", "zero_stage": 0, "accum_steps": 1,
+               "virtual_devices": 4, "precision": "float32", "jit_compile": "off"}
+    computed = cost._per_device(facts, options["mesh"], 0)["computed"] * facts.host.devices
+
+    def term(f, **changes):
+        return cost.estimate(f, {**options, **changes}).memory["step transients (probed)"]
+
+    assert term(probed) == pytest.approx(16.0 * computed)
+    assert term(probed, zero_stage=2) == pytest.approx(23.0 * computed)
+    assert term(probed, accum_steps=2) == pytest.approx(18.0 * computed)   # +2 per micro-batch
+    assert term(probed, zero_stage=1, accum_steps=4) == pytest.approx(26.0 * computed)
+    assert term(probed, zero_stage=3, accum_steps=4) == pytest.approx(15.0 * computed)
+    assert term(probed, zero_stage=3, accum_steps=8) == pytest.approx(27.0 * computed)
+    assert term(facts) == 0.0
+
+
+def test_the_search_ends_when_no_trial_left_could_win(facts, monkeypatch):
+    """After each engine's first trial, a candidate is tried only while its
+    refined prediction is within 5% of the best measured; the control: the
+    same search without that bound goes on to the trials asked for."""
+    candidates = [c for c in _candidates(facts, lossy=False) if not c.dropped]
+
+    def run(measured_share):
+        tried = []
+
+        def measure(s, candidate, number):
+            tried.append(candidate)
+            batch = facts.global_batch
+            rate = candidate.predicted_rate(batch) * measured_share(candidate)
+            candidate.trial = search.trials_lib.TrialResult(
+                ok=True, reason="", seconds=1.0, runs=[{"examples_per_sec": rate}],
+                peaks=[5e8])
+        monkeypatch.setattr(search, "measure", measure)
+        fresh = [dataclasses.replace(c, trial=None, factor=1.0) for c in candidates]
+        state = search.Search(facts=facts, trial_config=None, functions={}, trials=20,
+                              log=lambda line: None)
+        search.run(state, fresh)
+        return tried
+
+    engines = len({c.engine for c in candidates})
+    # The best predicted candidate measures twice as fast as predicted: no other can win.
+    best = search.rank(candidates)[0].describe()
+    assert len(run(lambda c: 2.0 if c.describe() == best else 1.0)) == engines
+    monkeypatch.setattr(search, "WORTH", 0.0)
+    assert len(run(lambda c: 2.0 if c.describe() == best else 1.0)) == 20

@@ -237,6 +237,11 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
     calibration.baselines = calibrate.baselines(families, host.devices, config,
                                                 inputs.spec.kind, functions, log, scratch,
                                                 timeout=120.0)
+    probes = {engine.name: search_lib.cost_model(engine).probes(host.devices)
+              for engine in strategies.engines()
+              if hasattr(search_lib.cost_model(engine), "probes")}
+    calibration.probe = calibrate.probe(probes, host.devices, config, log, scratch,
+                                        timeout=120.0)
     from tfdist.training.trainer import total_steps
     return Facts(model=model, calibration=calibration, host=host,
                  global_batch=config.train.global_batch_size,

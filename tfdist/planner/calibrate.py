@@ -18,14 +18,21 @@ from tfdist.config import RunConfig, as_flags
 from tfdist.errors import UsageError
 from tfdist.observe import hardware
 from tfdist.planner import trials as trials_lib
-from tfdist.planner.costs import Calibration
+from tfdist.planner.costs import Calibration, Probe
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # A loop of 100 steps, twice: an engine's resident memory grows over its first
 # long loop (dtensor's, by 0.14 GiB from a 10-step loop to a 100-step one, then
-# flat; one device's not at all), and a trial's loop is about as long.
-TINY = ["--model_width=16", "--model_depth=2", "--num_heads=2", "--global_batch_size=32",
-        "--train_steps=200", "--steps_per_loop=100"]
+# flat; one device's not at all), and a trial's loop is about as long. Without
+# XLA: `--jit_compile=auto` compiles one engine's step and not another's, and
+# the compilation's bytes (measured per model) would pass for the runtime's.
+LOOPS = ["--global_batch_size=32", "--train_steps=200", "--steps_per_loop=100",
+         "--jit_compile=off"]
+TINY = ["--model_width=16", "--model_depth=2", "--num_heads=2", *LOOPS]
+# The probe: a model whose state is large beside the runtime (16 MiB of
+# parameters), on synthetic data, so that what an engine holds per byte of
+# the model beyond its own cost model's terms can be measured (`probes`).
+PROBE = ["--model=mlp", "--model_width=1024", "--model_depth=2", "--synthetic", *LOOPS]
 # The tiny model for a kind of data: the run's own data, so the family's
 # input pipeline is measured too (a width-16 mlp at batch 256 on the bundled
 # images peaked at 0.81 GiB under dtensor, 0.62 on one device).
@@ -155,6 +162,52 @@ def baselines(families: dict, devices: int, config: RunConfig, kind: str, functi
         cache[key] = found
         _write_cache(cache)
     return found
+
+
+# -- the probe: what an engine holds per byte of the model ----------------------------
+
+def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
+          work_dir: Optional[str], timeout: float) -> Optional[Probe]:
+    """The probe model on one device and under each engine's probe options.
+    `wanted`: engine name -> {variant: options}. None if nothing is wanted.
+    Cached per host, versions and optimizer (the slots' temporaries are the
+    optimizer's)."""
+    if not wanted:
+        return None
+    from tfdist import flags as tfdist_flags
+    from tfdist.data.inputs import of_run as inputs_of_run
+    from tfdist.planner import profile, search as search_lib
+    optimizer = [f for f in as_flags(config) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
+    probe_config = tfdist_flags.run_config_of(PROBE + optimizer)
+    runs = {strategies.REFERENCE: search_lib.apply(probe_config, strategies.REFERENCE,
+                                                   {"virtual_devices": 1})}
+    for engine, variants in wanted.items():
+        for variant, options in variants.items():
+            runs[f"{engine} {variant}"] = search_lib.apply(probe_config, engine, options)
+    key = _cache_key(devices) + "|probe|" + " ".join(sorted(optimizer))
+    cache = _read_cache()
+    found = dict(cache.get(key, {}))
+    missing = [name for name in runs if name not in found]
+    for number, name in enumerate(missing, 1):
+        log(f"probe {number}/{len(missing)}: {name} (a 16 MiB mlp; cached for this host)")
+        result = trials_lib.run([as_flags(runs[name])], timeout=timeout, work_dir=work_dir)
+        if result.ok:
+            found[name] = result.peaks[0]
+        else:
+            log(f"  the probe {name} could not be measured ({result.reason}); its engine's "
+                "candidates are predicted without it")
+    if missing:
+        cache[key] = found
+        _write_cache(cache)
+    if strategies.REFERENCE not in found:
+        return None
+    model = profile.model_facts(probe_config, inputs_of_run(probe_config))
+    return Probe(model=model, batch=probe_config.train.global_batch_size,
+                 reference=found.pop(strategies.REFERENCE), peaks=found)
+
+
+# The run's flags the probe runs with: what an update holds is the optimizer's.
+OPTIMIZER_FLAGS = ("--optimizer", "--clip_grad_norm")
 
 
 def cache_dir() -> str:

@@ -90,6 +90,21 @@ class ModelFacts:
 
 
 @dataclasses.dataclass
+class Probe:
+    """The probe model (`calibrate.PROBE`) measured on one device and under
+    engines' probe options: what an engine holds beyond its cost model's
+    terms, per byte of the model, where that is more than noise.
+
+    `peaks`: "<engine> <variant>" -> peak resident bytes; `reference`: the
+    one-device run's peak."""
+
+    model: ModelFacts
+    batch: int
+    reference: float
+    peaks: dict
+
+
+@dataclasses.dataclass
 class Calibration:
     """What was measured for this model on this host (`calibrate.py`).
 
@@ -106,6 +121,7 @@ class Calibration:
     peaks16: Optional[tuple] = None
     times: tuple = ()
     xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
+    probe: Optional[Probe] = None
 
     def slope(self) -> float:
         """Activation bytes per example (float32), from the two batch sizes."""
@@ -264,6 +280,27 @@ def base_terms(facts: Facts, family: str, jit: str = "off") -> dict:
     if jit == "on" and facts.calibration.xla_bytes:
         terms["XLA compilation"] = facts.calibration.xla_bytes
     return terms
+
+
+def probe_residual(facts: Facts, cost, engine: str, variant: str, options: dict
+                   ) -> Optional[float]:
+    """What `cost` (an engine's cost model) leaves out on the probe model
+    under `options` (its probe `variant`): the measured peak less the
+    predicted one, in bytes; None if the probe was not measured. The probe's
+    own facts have no probe, so `cost.estimate` predicts it without the
+    term this measures."""
+    probe = facts.calibration.probe
+    measured = probe.peaks.get(f"{engine} {variant}") if probe else None
+    if measured is None:
+        return None
+    batch = probe.batch
+    probe_facts = Facts(
+        model=probe.model,
+        calibration=Calibration(points=((batch, probe.reference), (2 * batch, probe.reference)),
+                                rates={}, baselines=facts.calibration.baselines),
+        host=dataclasses.replace(facts.host, processes=1, hosts=1), global_batch=batch)
+    full = {"precision": "float32", "jit_compile": "off", "accum_steps": 1, **options}
+    return measured - cost.estimate(probe_facts, full).peak_bytes
 
 
 def dividers(n: int) -> Iterable[int]:
