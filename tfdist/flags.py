@@ -133,15 +133,25 @@ _PLAN_FILE = flags.DEFINE_string(
     "plan_file", "plan.cfg", "tfdist-plan: where the winner is written as a flagfile "
     "(tfdist-train --flagfile=FILE runs it).")
 _PLAN_WORKERS = flags.DEFINE_integer(
-    "plan_workers", 1, "tfdist-plan: plan for this many worker processes on this host "
-    "(tfdist-launch --workers=N); 1: one process and its devices.", lower_bound=1)
+    "plan_workers", 1, "tfdist-plan: plan for this many worker processes (tfdist-launch "
+    "--workers=N), on this host or over --plan_hosts; 1: one process and its devices.",
+    lower_bound=1)
+_PLAN_HOSTS = flags.DEFINE_integer(
+    "plan_hosts", 1, "tfdist-plan: the hosts the --plan_workers processes are spread over "
+    "(evenly; each like this one); more than 1 needs --link_bandwidth. Trials run on this "
+    "host; the links between hosts are predicted.", lower_bound=1)
+_LINK_BANDWIDTH = flags.DEFINE_string(
+    "link_bandwidth", None, "tfdist-plan and --strategy=auto: the bandwidth of the link "
+    "between hosts, each way, e.g. 10gbit, 100mbit (bits/s, as tc writes them) or 125MB "
+    "(bytes/s); needed to plan for more than one host.")
 _CAP_TRIALS = flags.DEFINE_boolean(
     "cap_trials", False, "tfdist-plan and --strategy=auto: run each trial under a memory "
     "cap of --memory_budget (tfdist-launch --worker_memory): a candidate that would not "
     "fit is OOM-killed, a row with its reason.")
 PLAN_GROUP = "planner"   # tfdist-plan's
 PLAN_FLAGS = (_MEMORY_BUDGET.name, _PLAN_TRIALS.name, _SEARCH_SECONDS.name, _ALLOW_LOSSY.name,
-              _EXPLAIN.name, _PLAN_FILE.name, _PLAN_WORKERS.name, _CAP_TRIALS.name)
+              _EXPLAIN.name, _PLAN_FILE.name, _PLAN_WORKERS.name, _PLAN_HOSTS.name,
+              _LINK_BANDWIDTH.name, _CAP_TRIALS.name)
 
 # `--help` lists tfdist's flags in these groups, in this order (tfdist/help.py):
 # each option's declared group, then the command-line actions of that group.
@@ -216,10 +226,12 @@ def run_config_of(args: list) -> config_lib.RunConfig:
 
 def plan_options() -> dict:
     """tfdist-plan's own flags as `tfdist.plan` keywords."""
-    from tfdist.planner import parse_size
+    from tfdist.planner import parse_rate, parse_size
     return {"memory_budget": parse_size(_MEMORY_BUDGET.value, "--memory_budget"),
             "trials": _PLAN_TRIALS.value, "search_seconds": _SEARCH_SECONDS.value,
             "allow_lossy": _ALLOW_LOSSY.value, "processes": _PLAN_WORKERS.value,
+            "hosts": _PLAN_HOSTS.value,
+            "link_bandwidth": parse_rate(_LINK_BANDWIDTH.value, "--link_bandwidth"),
             "cap_trials": _CAP_TRIALS.value}
 
 

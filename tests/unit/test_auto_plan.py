@@ -111,5 +111,46 @@ def test_a_cluster_over_several_hosts_is_refused_in_one_line_before_any_trial(
         auto.choose_here(config, log=lambda line: None)
     message = str(error.value)
     assert "\n" not in message and "2 hosts" in message
-    assert "tfdist-plan --plan_workers=2" in message
+    assert "tfdist-plan --plan_workers=2" in message and "--link_bandwidth" in message
+
+
+def test_a_cluster_over_several_hosts_is_planned_for_them_given_the_link(tmp_path, monkeypatch):
+    """With --link_bandwidth the chief plans for the cluster's hosts and that
+    link, and the plan's key depends on the link (the control: another rate,
+    another key)."""
+    import json
+    from tfdist import planner
+    monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["localhost:12345", "otherhost:12345"]},
+        "task": {"type": "worker", "index": 0}}))
+    asked = []
+
+    class Made:
+        class winner:
+            engine, options = "multi_worker", {"virtual_devices": 1}
+
+            @staticmethod
+            def describe():
+                return "multi_worker"
+
+            @staticmethod
+            def measured_rate():
+                return 1.0
+        runner_up = None
+
+        @staticmethod
+        def flagfile():
+            return ""
+
+    def fake_plan(config, **options):
+        asked.append(options)
+        return Made
+    monkeypatch.setattr(planner, "plan", fake_plan)
+    config = run_config(batch=32).replace(strategy=run_config().strategy.replace(name="auto"))
+    keys = [auto.choose_here(config, options={"link_bandwidth": rate},
+                             log=lambda line: None).key for rate in (12.5e6, 1.25e9)]
+    assert [(a["hosts"], a["processes"], a["link_bandwidth"]) for a in asked] == [
+        (2, 2, 12.5e6), (2, 2, 1.25e9)]
+    assert keys[0] != keys[1]
 

@@ -95,7 +95,9 @@ def test_candidates_pass_the_engines_own_checks(facts):
     config = run_config(batch=32).replace(model=MODEL)
     found = [c for c in _candidates(facts, lossy=True) if not c.dropped]
     assert {c.engine for c in found} >= {"default", "mirrored", "dtensor", "pipeline"}
-    for candidate in found:
+    cluster = [c for c in _candidates(_cluster(facts, 2, 1e8), lossy=True) if not c.dropped]
+    assert {c.options.get("grad_compression") for c in cluster} >= {"powersgd", "topk"}
+    for candidate in found + cluster:
         planned = search.apply(config, candidate.engine, candidate.options)
         assert planned.strategy.name == candidate.engine
         xla.check(planned.train.jit_compile, strategies.adapter_class(
@@ -255,3 +257,101 @@ def test_the_search_ends_when_no_trial_left_could_win(facts, monkeypatch):
     assert len(run(lambda c: 2.0 if c.describe() == best else 1.0)) == engines
     monkeypatch.setattr(search, "WORTH", 0.0)
     assert len(run(lambda c: 2.0 if c.describe() == best else 1.0)) == 20
+
+
+def _cluster(facts, hosts: int, rate: float):
+    """`facts` for 2 processes over `hosts` hosts with `rate` bytes/s between them."""
+    return dataclasses.replace(facts, host=dataclasses.replace(
+        facts.host, processes=2, hosts=hosts, devices=1, link_bytes_per_s=rate,
+        peak_flops={"float32": 1e11}))
+
+
+def test_a_slow_link_moves_the_choice_to_what_sends_less(facts):
+    """Two hosts: over 10 Mbit/s the best predicted candidate exchanges less
+    than the whole gradient (compressed, or weights averaged every few
+    steps), over 100 Gbit/s it sends it whole; the control: without lossy
+    choices none of them is a candidate."""
+    def gain(rate):
+        """(best lossy, its predicted speed over the best lossless)."""
+        ranked = search.rank(_candidates(_cluster(facts, 2, rate), lossy=True))
+        lossy = next(c for c in ranked if not c.lossless)
+        kept = next(c for c in ranked if c.lossless)
+        return lossy, kept.predicted_seconds() / lossy.predicted_seconds()
+
+    slow, slow_gain = gain(10e6 / 8)   # the test's mlp has 14 KB of parameters
+    assert slow.options.get("grad_compression", "none") != "none" or slow.options.get(
+        "sync_every"), slow.describe()
+    assert slow_gain >= search.LOSSY_GAIN      # worth its accuracy cost
+    assert gain(100e9 / 8)[1] < search.LOSSY_GAIN   # not: the whole gradient is sent
+    lossless = _candidates(_cluster(facts, 2, 100e6 / 8), lossy=False)
+    assert not any(c.options.get("grad_compression", "none") != "none"
+                   or c.options.get("sync_every") for c in lossless)
+
+
+def test_what_crosses_hosts_is_not_scaled_by_what_trials_on_one_host_measured(facts):
+    """A trial on one host measures the terms it runs; the link's terms are
+    predicted for the link asked for and added unscaled."""
+    cluster = _cluster(facts, 2, 100e6 / 8)
+    candidate = next(c for c in _candidates(cluster, lossy=False)
+                     if c.engine == "multi_worker")
+    link = candidate.estimate.link_seconds
+    assert link > 0 and candidate.estimate.over_link == ("gradient all-reduce",)
+    before = candidate.predicted_seconds()
+    candidate.factor = 2.0
+    assert candidate.predicted_seconds() == pytest.approx(2 * (before - link) + link)
+    # The control: on one host nothing is over a link, and all of it scales.
+    local = next(c for c in _candidates(_cluster(facts, 1, 100e6 / 8), lossy=False)
+                 if c.engine == "multi_worker")
+    assert local.estimate.over_link == ()
+    local.factor = 2.0
+    assert local.predicted_seconds() == pytest.approx(2 * local.estimate.step_seconds)
+
+
+def test_a_pipeline_over_hosts_sends_its_boundary_activations_over_the_link(facts):
+    cluster = _cluster(facts, 2, 100e6 / 8)
+    piped = [c for c in _candidates(cluster, lossy=False) if c.engine == "pipeline"]
+    assert piped and all("activation transfers" in c.estimate.over_link for c in piped)
+    assert all(c.estimate.time["activation transfers"] > 0 for c in piped)
+
+
+@pytest.mark.parametrize("text,expected", [("100mbit", 12.5e6), ("10Gbit", 1.25e9),
+                                           ("125MB", 125e6), ("1.5gbit/s", 1.875e8)])
+def test_rates(text, expected):
+    from tfdist.planner import parse_rate
+    assert parse_rate(text, "--link_bandwidth") == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["fast", "10", "-1gbit", "0mbit", "nangbit", "10 furlongs"])
+def test_bad_rates(text):
+    from tfdist.planner import parse_rate
+    with pytest.raises(UsageError, match="--link_bandwidth"):
+        parse_rate(text, "--link_bandwidth")
+
+
+@pytest.mark.parametrize("processes,hosts,link,match", [
+    (3, 2, 1e9, "must divide --plan_workers=3"), (2, 2, None, "give --link_bandwidth")])
+def test_a_cluster_that_cannot_be_planned_is_refused_before_any_measurement(
+        processes, hosts, link, match):
+    config = run_config(batch=32).replace(model=MODEL)
+    with pytest.raises(UsageError, match=match):
+        tfdist.plan(config, processes=processes, hosts=hosts, link_bandwidth=link,
+                    log=lambda line: None)
+
+
+def test_a_lossy_choice_wins_only_where_it_is_clearly_faster(facts):
+    """The winner keeps the math unless a lossy candidate measured at least
+    LOSSY_GAIN times faster than the best lossless one."""
+    found = [c for c in _candidates(_cluster(facts, 2, 100e6 / 8), lossy=True)
+             if not c.dropped]
+    kept = next(c for c in found if c.lossless)
+    lossy = next(c for c in found if not c.lossless)
+
+    def measured(candidate, rate):
+        candidate.trial = search.trials_lib.TrialResult(
+            ok=True, reason="", seconds=1.0, runs=[{"examples_per_sec": rate}], peaks=[5e8])
+
+    measured(kept, 100.0)
+    measured(lossy, 105.0)
+    assert search.winner([kept, lossy]) is kept
+    measured(lossy, 111.0)
+    assert search.winner([kept, lossy]) is lossy

@@ -138,6 +138,27 @@ def parse_size(text: Optional[str], flag: str) -> Optional[int]:
     return int(value)
 
 
+_RATES = {"KBIT": 1e3 / 8, "MBIT": 1e6 / 8, "GBIT": 1e9 / 8, "TBIT": 1e12 / 8,
+          "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def parse_rate(text: Optional[str], flag: str) -> Optional[float]:
+    """"100mbit" -> bytes/s (bits as tc writes them, or KB/MB/GB: bytes, powers
+    of 1000); None stays None; else `UsageError`."""
+    if text is None:
+        return None
+    raw = text.strip().upper().removesuffix("/S").removesuffix("PS")
+    unit = next((u for u in sorted(_RATES, key=len, reverse=True) if raw.endswith(u)), None)
+    try:
+        value = float(raw[:-len(unit)]) * _RATES[unit] if unit else -1.0
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 1e3:
+        raise UsageError(f"{flag}={text!r} is not a link rate: a number with kbit, mbit, "
+                         "gbit (bits/s) or KB, MB, GB (bytes/s), e.g. 10gbit or 100mbit")
+    return value
+
+
 def _num(value, digits) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -147,7 +168,7 @@ def _pct(value) -> str:
 
 
 def host_facts(config: RunConfig, memory_budget: Optional[int], processes: int,
-               lossy: bool) -> Host:
+               lossy: bool, hosts: int = 1, link_bandwidth: Optional[float] = None) -> Host:
     from tfdist.observe import peak
     cores = len(os.sched_getaffinity(0))
     devices = config.strategy.virtual_devices or cores
@@ -158,26 +179,33 @@ def host_facts(config: RunConfig, memory_budget: Optional[int], processes: int,
             peaks[precision] = tflops * 1e12
     limit = hardware.memory_limit_bytes()
     budget = memory_budget or limit
-    if processes > 1:   # processes of one host share its memory
-        budget = min(budget, limit / processes)
+    if processes > hosts:   # processes of one host share its memory
+        budget = min(budget, limit / (processes // hosts))
+    link = {"link_bytes_per_s": link_bandwidth} if link_bandwidth else {}
     return Host(cpu=hardware.describe(), cores=cores, memory_budget=budget, devices=devices,
-                processes=processes, peak_flops=peaks)
+                processes=processes, hosts=hosts, peak_flops=peaks, **link)
 
 
 def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout_rules=None,
          memory_budget: Optional[int] = None, allow_lossy: bool = False, processes: int = 1,
+         hosts: int = 1, link_bandwidth: Optional[float] = None,
          trials: int = DEFAULT_TRIALS, search_seconds: float = DEFAULT_SEARCH_SECONDS,
          cap_trials: bool = False, log: Callable = print,
          work_dir: Optional[str] = None) -> Plan:
     """Choose the engine and options for `config`'s model, data and global
-    batch on this host (`processes` local worker processes). Raises
-    `UsageError` for bad input and for a budget no candidate fits."""
+    batch: `processes` worker processes over `hosts` hosts like this one
+    (`link_bandwidth`, bytes/s each way, between them; trials run here, the
+    links are predicted). Raises `UsageError` for bad input and for a budget
+    no candidate fits."""
     started = time.monotonic()
-    _check(memory_budget, trials, spec, dataset_fn)
+    _check(memory_budget, trials, spec, dataset_fn, processes, hosts, link_bandwidth)
     functions = functions_lib.records(model_fn, dataset_fn, layout_rules, spec)
-    host = host_facts(config, memory_budget, processes, allow_lossy)
+    host = host_facts(config, memory_budget, processes, allow_lossy, hosts, link_bandwidth)
     log(f"planning on {host.cpu}, {host.cores} cores, {host.devices} devices per process, "
-        f"{processes} process(es), memory budget {host.memory_budget / GiB:.2f} GiB per process")
+        f"{processes} process(es)"
+        + (f" over {hosts} hosts, {host.link_bytes_per_s * 8 / 1e6:,.0f} Mbit/s between them"
+           if hosts > 1 else "")
+        + f", memory budget {host.memory_budget / GiB:.2f} GiB per process")
     with tempfile.TemporaryDirectory(prefix="tfdist-plan-", dir=work_dir) as scratch:
         facts = _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules,
                                 functions, allow_lossy, search_seconds, log, scratch)
@@ -200,7 +228,14 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
                 seconds=time.monotonic() - started)
 
 
-def _check(memory_budget, trials, spec, dataset_fn) -> None:
+def _check(memory_budget, trials, spec, dataset_fn, processes=1, hosts=1,
+           link_bandwidth=None) -> None:
+    if hosts < 1 or processes % hosts:
+        raise UsageError(f"--plan_hosts={hosts}: must divide --plan_workers={processes} "
+                         "(the same processes on each host)")
+    if hosts > 1 and not link_bandwidth:
+        raise UsageError(f"--plan_hosts={hosts}: give --link_bandwidth, the link between "
+                         "the hosts (e.g. 10gbit; bench/allreduce.py measures one)")
     if memory_budget is not None and memory_budget <= 0:
         raise UsageError(f"--memory_budget={memory_budget}: must be a positive size")
     if trials < 1:
@@ -279,4 +314,4 @@ def _trial_steps(step_seconds: float) -> int:
     return int(min(200, max(3, math.ceil(TIMED_SECONDS / step_seconds))))
 
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "parse_rate", "parse_size", "plan"]

@@ -9,8 +9,9 @@ matches is reused where it was made on this kind of host with these
 versions; else it is not reused, the log says why, and the run plans again.
 On a cluster the chief plans (its trials run on its host) and writes the
 plan; the other workers wait for it, bounded, or find it cached. A cluster
-over several hosts is refused unless its plan is cached: trials on one host
-would not measure the links between them.
+over several hosts is planned when `--link_bandwidth` says what the links
+between them carry (trials on the chief's host do not measure them), else
+refused unless its plan is cached.
 
 Plans live in the cache directory (`TFDIST_CACHE_DIR`, default
 ~/.cache/tfdist) under plans/KEY.json; on a cluster of several hosts every
@@ -64,7 +65,8 @@ def cache_path(key: str) -> str:
 
 
 def what_of(config: RunConfig, signature: str, processes: int, hosts: int,
-            memory_budget: Optional[int], allow_lossy: bool) -> dict:
+            memory_budget: Optional[int], allow_lossy: bool,
+            link_bandwidth: Optional[float] = None) -> dict:
     """What a plan answers: the same `what` gets the same key."""
     data = config.data
     return {"model": signature, "global_batch": config.train.global_batch_size,
@@ -74,7 +76,8 @@ def what_of(config: RunConfig, signature: str, processes: int, hosts: int,
             "precision": None if allow_lossy else config.train.precision,
             "processes": processes, "hosts": hosts,
             "virtual_devices": config.strategy.virtual_devices,
-            "memory_budget": memory_budget, "allow_lossy": allow_lossy}
+            "memory_budget": memory_budget, "allow_lossy": allow_lossy,
+            **({"link_bandwidth": link_bandwidth} if hosts > 1 else {})}
 
 
 def where_now() -> dict:
@@ -203,14 +206,12 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
     workers). Runs TensorFlow (the key's model build, the planner)."""
     from tfdist.planner import plan as make_plan
     options = dict(options or {})
-    spec_cluster = cluster_lib.resolve(config.strategy.worker_hosts, config.strategy.task_index)
-    processes = spec_cluster.num_workers if spec_cluster else 1
-    hosts = len({address.rpartition(":")[0] for addresses in
-                 (spec_cluster.cluster.values() if spec_cluster else ())
-                 for address in addresses}) or 1
+    spec_cluster, processes, hosts = _cluster_shape(config)
     options["processes"] = processes
+    options["hosts"] = hosts if processes % hosts == 0 else 1
     what = what_of(config, model_signature(config, model_fn, dataset_fn, spec), processes,
-                   hosts, options.get("memory_budget"), bool(options.get("allow_lossy")))
+                   hosts, options.get("memory_budget"), bool(options.get("allow_lossy")),
+                   options.get("link_bandwidth"))
     key = key_of(what)
     path, where = cache_path(key), where_now()
     record = read(path)
@@ -218,11 +219,8 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
     reused = bool(record) and not reason
     if reused:
         log(f"reusing the plan {key} ({path})")
-    elif hosts > 1:   # every worker says so at once
-        raise UsageError(
-            f"--strategy=auto cannot plan for a cluster of {hosts} hosts (plan {key}): trials "
-            f"on one host do not measure the links between hosts; plan on one host with "
-            f"tfdist-plan --plan_workers={processes} and run its flagfile on every host")
+    elif hosts > 1 and (not options.get("link_bandwidth") or processes % hosts):
+        raise _unplannable(key, processes, hosts)   # every worker says so at once
     elif spec_cluster and not spec_cluster.is_chief:
         log(f"waiting for the chief's plan {key} at {path}")
         record = wait_for(path, key, where,
@@ -243,6 +241,25 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
     return Choice(key=key, path=path, engine=record["engine"], options=record["options"],
                   describe=record.get("describe", record["engine"]),
                   runner_up=record.get("runner_up", ""), reused=reused)
+
+
+def _cluster_shape(config: RunConfig) -> tuple:
+    """(the cluster or None, its processes, its distinct hosts)."""
+    spec_cluster = cluster_lib.resolve(config.strategy.worker_hosts, config.strategy.task_index)
+    processes = spec_cluster.num_workers if spec_cluster else 1
+    hosts = len({address.rpartition(":")[0] for addresses in
+                 (spec_cluster.cluster.values() if spec_cluster else ())
+                 for address in addresses}) or 1
+    return spec_cluster, processes, hosts
+
+
+def _unplannable(key: str, processes: int, hosts: int) -> UsageError:
+    why = ("give --link_bandwidth (the link between the hosts, e.g. 10gbit): trials on one "
+           "host do not measure it" if not processes % hosts else
+           f"its {processes} processes are not spread evenly over them")
+    return UsageError(f"--strategy=auto cannot plan for a cluster of {hosts} hosts (plan "
+                      f"{key}): {why}; or plan with tfdist-plan --plan_workers={processes} "
+                      "and run its flagfile on every host")
 
 
 def _typed(options: dict) -> dict:

@@ -51,10 +51,13 @@ class Variable:
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One stage of a pipeline split: its parameter bytes and forward FLOPs
-    per example (its share of the activations and of the time)."""
+    per example (its share of the activations and of the time), and the
+    bytes per example of the activation it receives from the stage before
+    (0 for the first)."""
 
     param_bytes: int
     flops: int
+    input_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -144,9 +147,15 @@ class Host:
     processes: int = 1           # processes planned for (a cluster's size)
     hosts: int = 1               # distinct hosts among them
     peak_flops: dict = dataclasses.field(default_factory=dict)   # precision -> FLOP/s
-    link_bytes_per_s: float = 1.0e9     # between hosts (or processes of one host)
+    link_bytes_per_s: float = 1.0e9     # between hosts (--link_bandwidth)
     link_latency_s: float = 1.0e-4
+    loopback_bytes_per_s: float = 1.0e9  # between the processes of one host
+    loopback_latency_s: float = 1.0e-4
     local_bytes_per_s: float = 4.0e9    # between the devices of one process (memory copies)
+
+    def one_host(self) -> "Host":
+        """This cluster with every process on this host: what a trial runs."""
+        return dataclasses.replace(self, hosts=1)
 
 
 @dataclasses.dataclass
@@ -229,16 +238,40 @@ class Facts:
                 / self.concurrency(precision, jit, devices))
 
 
+def _link(facts: Facts, local: bool) -> tuple:
+    """(bytes/s, latency s) of the slowest link a collective crosses: memory
+    copies within a process, the loopback between processes of one host,
+    else the link between hosts."""
+    host = facts.host
+    if local:
+        return host.local_bytes_per_s, 0.0
+    if host.hosts > 1:
+        return host.link_bytes_per_s, host.link_latency_s
+    return host.loopback_bytes_per_s, host.loopback_latency_s
+
+
 def all_reduce_seconds(facts: Facts, nbytes: float, members: int, local: bool) -> float:
     """A ring all-reduce of `nbytes` among `members`: 2(n-1)/n of the bytes
     cross each link, in 2(n-1) latency-bound rounds (the alpha-beta model)."""
     if members <= 1:
         return 0.0
-    share = 2 * (members - 1) / members * nbytes
-    rounds = 2 * (members - 1)
-    latency = 0.0 if local else facts.host.link_latency_s * rounds
-    speed = facts.host.local_bytes_per_s if local else facts.host.link_bytes_per_s
-    return latency + share / speed
+    speed, latency = _link(facts, local)
+    return latency * 2 * (members - 1) + 2 * (members - 1) / members * nbytes / speed
+
+
+def all_gather_seconds(facts: Facts, nbytes: float, members: int, local: bool) -> float:
+    """A ring all-gather of `nbytes` from each of `members`: each receives
+    the other (n-1) shares, in n-1 rounds."""
+    if members <= 1:
+        return 0.0
+    speed, latency = _link(facts, local)
+    return latency * (members - 1) + (members - 1) * nbytes / speed
+
+
+def send_seconds(facts: Facts, nbytes: float, messages: int, local: bool) -> float:
+    """`messages` point-to-point sends of `nbytes` in all."""
+    speed, latency = _link(facts, local)
+    return latency * messages + nbytes / speed
 
 
 @dataclasses.dataclass
@@ -250,6 +283,9 @@ class Estimate:
     time: dict
     processes: int = 1
     family: str = REFERENCE      # the runtime whose resident baseline applies
+    # Time terms spent on the links between hosts: a trial on one host does
+    # not measure them, so what trials measured does not scale them.
+    over_link: tuple = ()
 
     @property
     def peak_bytes(self) -> float:
@@ -258,6 +294,10 @@ class Estimate:
     @property
     def step_seconds(self) -> float:
         return sum(self.time.values())
+
+    @property
+    def link_seconds(self) -> float:
+        return sum(self.time.get(name, 0.0) for name in self.over_link)
 
 
 def state(facts: Facts, params: float = 1.0, grads: float = 1.0, slots: float = 1.0,

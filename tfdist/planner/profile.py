@@ -71,11 +71,21 @@ def _splits(model, signature) -> dict:
     splits = {}
     for stages in SPLITS:
         try:
-            splits[stages] = [Stage(s.param_bytes, s.flops)
+            splits[stages] = [Stage(s.param_bytes, s.flops,
+                                    _input_bytes(s.blocks[0].input_shape) if s.index else 0)
                               for s in split_lib.split(model, stages, found=found)]
         except UsageError as error:
             splits[stages] = str(error)
     return splits
+
+
+def _input_bytes(shape) -> int:
+    """Bytes per example of a stage's input activation (float32; 0 where a
+    dimension is left open)."""
+    dims = [d for d in shape]
+    if any(d is None or isinstance(d, tuple) for d in dims):
+        return 0
+    return 4 * split_lib.size(dims)
 
 
 def signature(model) -> str:

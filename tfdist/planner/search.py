@@ -63,7 +63,17 @@ class Candidate:
         return " ".join(parts)
 
     def predicted_seconds(self) -> float:
-        return self.estimate.step_seconds * self.factor
+        """Its step time: the terms its trials can measure scaled by what
+        they measured, plus the time on the links between hosts."""
+        link = self.estimate.link_seconds
+        return (self.estimate.step_seconds - link) * self.factor + link
+
+    @property
+    def group(self) -> tuple:
+        """What its predictions are off by alike: its engine and how its
+        gradients cross (a compression's own cost is predicted less well)."""
+        return (self.engine, self.options.get("grad_compression", "none"),
+                bool(self.options.get("sync_every")))
 
     def predicted_rate(self, batch: int) -> float:
         seconds = self.predicted_seconds()
@@ -151,6 +161,8 @@ def enumerate_candidates(facts: Facts, lossy: bool) -> list:
                     values = ("off",)
                 combos = [{**c, name: v} for c in combos for v in values]
             for options in combos:
+                if not lossy and _lossy_options(options):
+                    continue      # an engine's own choice that changes the math
                 found.append(_estimated(Candidate(engine.name, options), model, facts))
     return found
 
@@ -205,9 +217,9 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
     if not order:
         return None
     firsts, seen = [], set()
-    for candidate in order:      # the best predicted of each engine first
-        if candidate.engine not in seen:
-            seen.add(candidate.engine)
+    for candidate in order:      # the best predicted of each engine (and compression) first
+        if candidate.group not in seen:
+            seen.add(candidate.group)
             firsts.append(candidate)
     tried = 0
     queue = firsts
@@ -223,8 +235,27 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
         measure(search, candidate, tried + 1)
         tried += 1
     _refine(candidates, search.facts.global_batch)
+    return winner(candidates)
+
+
+# A choice that changes the math wins only where it is this much faster than
+# the best that does not (measured): a user who allows them trades accuracy
+# for time, not for the trials' noise.
+LOSSY_GAIN = 1.10
+
+
+def winner(candidates: list) -> Optional[Candidate]:
+    """The best measured candidate that keeps the math, unless one that
+    changes it measured at least LOSSY_GAIN times faster."""
     measured = [c for c in candidates if c.measured_rate()]
-    return max(measured, key=lambda c: c.measured_rate()) if measured else None
+    if not measured:
+        return None
+    best = max(measured, key=lambda c: c.measured_rate())
+    lossless = [c for c in measured if c.lossless]
+    if best.lossless or not lossless:
+        return best
+    kept = max(lossless, key=lambda c: c.measured_rate())
+    return best if best.measured_rate() >= LOSSY_GAIN * kept.measured_rate() else kept
 
 
 # A candidate is worth a trial after every engine's first while its refined
@@ -252,8 +283,10 @@ def measure(search: Search, candidate: Candidate, number: int) -> None:
     cap = int(search.facts.host.memory_budget) if search.cap else None
     short = search.trial_config(candidate)
     reads = short.train.train_steps * short.train.global_batch_size
+    # A trial runs every process on this host: its prediction is for that.
     candidate.trial_estimate = cost_model(strategies.engine(candidate.engine)).estimate(
-        dataclasses.replace(search.facts, examples_read=reads), candidate.options)
+        dataclasses.replace(search.facts, examples_read=reads,
+                            host=search.facts.host.one_host()), candidate.options)
     search.log(f"trial {number}/{search.trials}: {candidate.describe()} (predicted "
                f"{candidate.predicted_rate(search.facts.global_batch):.0f} examples/s, "
                f"{candidate.trial_estimate.peak_bytes / GiB:.2f} GiB per process for the "
@@ -270,15 +303,17 @@ def measure(search: Search, candidate: Candidate, number: int) -> None:
 
 
 def _refine(candidates: list, batch: int) -> None:
-    """Scale each engine's predicted step times by the geometric mean of
-    measured / predicted over its trials."""
+    """Scale each group's (engine's, compression's) predicted step times by
+    the geometric mean of measured / predicted over its trials (predicted
+    for the trial: every process on this host)."""
     ratios = {}
     for c in candidates:
         rate = c.measured_rate()
-        if rate and c.estimate and c.estimate.step_seconds:
-            ratios.setdefault(c.engine, []).append(batch / rate / c.estimate.step_seconds)
+        predicted = (c.trial_estimate or c.estimate).step_seconds if c.estimate else 0.0
+        if rate and predicted:
+            ratios.setdefault(c.group, []).append(batch / rate / predicted)
     for c in candidates:
-        found = ratios.get(c.engine)
+        found = ratios.get(c.group)
         if found:
             c.factor = math.exp(sum(math.log(r) for r in found) / len(found))
 

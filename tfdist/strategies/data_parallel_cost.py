@@ -1,12 +1,32 @@
 """The cost models of the data-parallel engines that keep a whole replica per
 device or process: `default` (one device), `mirrored` (this process's
-devices), `multi_worker` (one replica per process). Each
-engine's record names its model here (`Engine.cost`); the shared terms are
-`tfdist.planner.costs`. No TensorFlow."""
+devices), `multi_worker` (one replica per process, its gradients
+exchanged whole, cast, compressed, or its weights averaged every few steps).
+Each engine's record names its model here (`Engine.cost`); the shared terms
+are `tfdist.planner.costs`. No TensorFlow."""
 
 from __future__ import annotations
 
-from tfdist.planner.costs import Estimate, Facts, all_reduce_seconds, base_terms, state
+import dataclasses
+import math
+
+from tfdist.config import TrainConfig
+from tfdist.planner.costs import (Estimate, Facts, all_gather_seconds, all_reduce_seconds,
+                                  base_terms, state)
+
+# How a process's gradients may cross the cluster (each changes the math, so
+# a search tries them only where lossy choices are allowed): cast to bf16 for
+# the sum, PowerSGD and top-k at their default rank and share, and local SGD
+# averaging the weights every SYNC_EVERY steps.
+COMPRESSIONS = ("bf16", "powersgd", "topk")
+SYNC_EVERY = 8
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+POWERSGD_RANK = _DEFAULTS["powersgd_rank"]
+TOPK_FRACTION = _DEFAULTS["topk_fraction"]
+# Passes over a gradient's bytes that compressing it costs beyond its FLOPs
+# (error feedback in and out, the approximation; top-k's selection): a
+# first guess, which the group's trials scale like every other term.
+PASSES = {"powersgd": 4, "topk": 8}
 
 
 def _accumulator(options: dict) -> float:
@@ -99,23 +119,84 @@ class ReplicaPerProcess:
     def candidates(self, facts: Facts):
         if facts.host.processes > 1:
             yield {"virtual_devices": 1}
+            for kind in COMPRESSIONS:
+                yield {"virtual_devices": 1, "grad_compression": kind}
+            yield {"virtual_devices": 1, "sync_every": SYNC_EVERY, "accum_steps": 1}
 
     def estimate(self, facts: Facts, options: dict) -> Estimate:
         host = facts.host
         workers, precision = host.processes, options["precision"]
         per_worker = facts.global_batch / workers
+        kind = options.get("grad_compression", "none")
         memory = {**base_terms(facts, self.family, options["jit_compile"]),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(per_worker / options["accum_steps"],
                                                         precision)}
+        if kind in PASSES:   # error feedback (and top-k's momentum) per replica
+            memory[f"compression state ({kind})"] = facts.model.trainable_bytes * (
+                2 if kind == "topk" else 1)
         # The processes of one host share its cores.
         time = {"compute": facts.concurrent_seconds(facts.global_batch / host.hosts, precision,
                                                     options["jit_compile"],
                                                     workers // host.hosts),
-                "gradient all-reduce": all_reduce_seconds(
-                    facts, facts.model.trainable_bytes, workers, local=False),
                 **_overhead(facts, options)}
-        return Estimate(memory, time, processes=workers, family=self.family)
+        exchange = _exchange(facts, kind, options.get("sync_every", 0), workers)
+        time.update(exchange)
+        time.update(_compression_compute(facts, kind))
+        return Estimate(memory, time, processes=workers, family=self.family,
+                        over_link=tuple(exchange) if host.hosts > 1 else ())
+
+
+def _shapes(facts: Facts) -> tuple:
+    """(matrices as [n, m], bytes sent whole) of the trained variables, as
+    the compressions treat them (`training.compression`: a tensor of two or
+    more dimensions split where it is most nearly square)."""
+    matrices, whole = [], 0
+    for variable in facts.model.variables:
+        if not variable.trainable:
+            continue
+        shape = variable.shape
+        if len(shape) < 2:
+            whole += variable.bytes
+            continue
+        splits = [(math.prod(shape[:j]), math.prod(shape[j:])) for j in range(1, len(shape))]
+        matrices.append(max(splits, key=min))
+    return matrices, whole
+
+
+def _exchange(facts: Facts, kind: str, sync_every: int, workers: int) -> dict:
+    """Seconds per step the gradients' (or weights') exchange takes."""
+    trainable = facts.model.trainable_bytes
+    if sync_every:
+        return {"weight averaging (local SGD)": all_reduce_seconds(
+            facts, facts.model.param_bytes, workers, local=False) / sync_every}
+    if kind in ("bf16", "fp16"):
+        return {f"gradient all-reduce ({kind})": all_reduce_seconds(
+            facts, trainable / 2, workers, local=False)}
+    matrices, whole = _shapes(facts)
+    if kind == "powersgd":   # P then Q all-reduced (float32), 1-D tensors whole
+        p = sum(4 * n * min(POWERSGD_RANK, n, m) for n, m in matrices)
+        q = sum(4 * m * min(POWERSGD_RANK, n, m) for n, m in matrices)
+        return {"gradient exchange (PowerSGD)": all_reduce_seconds(facts, p + whole, workers,
+                                                                   local=False)
+                + all_reduce_seconds(facts, q, workers, local=False)}
+    if kind == "topk":       # a value and an index per kept entry, gathered from all
+        sent = sum(8 * max(1, math.ceil(TOPK_FRACTION * n * m)) for n, m in matrices)
+        return {"gradient exchange (top-k)": all_gather_seconds(facts, sent, workers,
+                                                                local=False)
+                + all_reduce_seconds(facts, whole, workers, local=False)}
+    return {"gradient all-reduce": all_reduce_seconds(facts, trainable, workers, local=False)}
+
+
+def _compression_compute(facts: Facts, kind: str) -> dict:
+    if kind not in PASSES:
+        return {}
+    matrices, _ = _shapes(facts)
+    seconds = PASSES[kind] * facts.model.trainable_bytes / facts.host.local_bytes_per_s
+    peak = facts.host.peak_flops.get("float32")
+    if kind == "powersgd" and peak:   # P = M Q and Q = M^T P
+        seconds += sum(4 * n * m * min(POWERSGD_RANK, n, m) for n, m in matrices) / peak
+    return {f"compression ({kind})": seconds}
 
 
 ONE_DEVICE = OneDevice()

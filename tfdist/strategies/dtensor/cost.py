@@ -153,7 +153,10 @@ class TensorSharding:
                 local=not across)
         if accum > 1:
             time["micro-batch overhead"] = (accum - 1) * facts.step_overhead()
-        return Estimate(memory, time, processes=host.processes, family=self.family)
+        link = (("gradient reduction", "parameter gathers (ZeRO-3)")
+                if across and host.hosts > 1 else ())
+        return Estimate(memory, time, processes=host.processes, family=self.family,
+                        over_link=tuple(n for n in link if n in time))
 
 
 COST = TensorSharding()

@@ -7,7 +7,8 @@ No TensorFlow."""
 from __future__ import annotations
 
 from tfdist.pipeline import schedule as schedules
-from tfdist.planner.costs import Estimate, Facts, all_reduce_seconds, base_terms
+from tfdist.planner.costs import (Estimate, Facts, all_reduce_seconds, base_terms,
+                                  send_seconds)
 
 SCHEDULES = ("1f1b", "gpipe")
 MICRO_BATCHES = (2, 4, 8)
@@ -92,10 +93,28 @@ class Stages:
                                            positions // host.hosts)
         time = {"compute": compute, "bubble": compute * bubble / (1 - bubble),
                 "micro-batch overhead": (m * chunks - 1) * facts.step_overhead()}
-        if replicas > 1:
-            time["gradient reduction"] = all_reduce_seconds(
-                facts, model.trainable_bytes / stages, replicas, local=in_one)
-        return Estimate(memory, time, processes=host.processes, family=self.family)
+        time.update(_exchanges(facts, split, stages, replicas, micro, m * chunks))
+        link = ("gradient reduction", "activation transfers") if host.hosts > 1 else ()
+        return Estimate(memory, time, processes=host.processes, family=self.family,
+                        over_link=tuple(n for n in link if n in time))
+
+
+def _exchanges(facts: Facts, split: list, stages: int, replicas: int, micro: float,
+               sends: int) -> dict:
+    """Time terms of what crosses between processes: each stage's gradients
+    reduced over its replicas; between stages in processes of their own,
+    each micro-batch's activation forward and its gradient back (`sends`
+    micro-batch passes per stage boundary)."""
+    in_one = facts.host.processes == 1
+    terms = {}
+    if replicas > 1:
+        terms["gradient reduction"] = all_reduce_seconds(
+            facts, facts.model.trainable_bytes / stages, replicas, local=in_one)
+    if not in_one:
+        boundary = max((s.input_bytes for s in split), default=0)
+        terms["activation transfers"] = send_seconds(facts, 2 * boundary * micro * sends,
+                                                     2 * sends, local=False)
+    return terms
 
 
 COST = Stages()
