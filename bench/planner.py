@@ -113,7 +113,8 @@ def _grid(name: str, work: str, passes: int, log=print):
             search_lib.measure(search, run, index + 1)
             measured.append(run)
             log(f"  [{name}] grid {number + 1}.{index + 1}/{len(grid)}: {run.describe()}: "
-                f"{run.measured_rate() or run.trial.reason}")
+                f"{run.measured_rate() or run.trial.reason} (predicted "
+                f"{run.predicted_rate(plan.facts.global_batch):.0f})")
         passes_run.append(measured)
     return plan, search, grid, passes_run
 
@@ -135,6 +136,12 @@ def memory_rows(name: str, runs: list) -> list:
     return rows
 
 
+MEMORY_DESCRIPTION = (
+    "Each grid run of the planner (a trial process per candidate, as the planner "
+    "measures) with its predicted peak, term by term, against its measured peak "
+    "(its memory cgroup's peak where it has one, else its peak resident set); the "
+    "memory rule: within 15% where the predicted bytes above the runtime are at least "
+    "1 GiB, else within 150 MiB.")
 MEMORY_HEADER = ["model", "configuration", "predicted MiB", "measured MiB",
                  "measured - predicted", "within the rule", "predicted terms (MiB)"]
 
@@ -183,6 +190,7 @@ def bench_model(name: str, args, work: str) -> dict:
         "pick / fit": (statistics.median(rates["pick"]) / fit_rate if fit_rate
                        else f"fit failed: {fit_label}"),
         "best fit": fit_label, **cap,
+        "memory rows": memory_rows(name, first),
         "model": name, "grid": len(grid), "pick": plan.winner.describe(),
         "best": first[best].describe(),
         "pick / best": statistics.median(rates["pick"]) / statistics.median(rates["best"]),
@@ -217,7 +225,7 @@ def main() -> None:
     cap_header = ["model", "cap MiB (pick's predicted peak + the rule's tolerance)",
                   "the pick under the cap", "control: predicted just above the cap",
                   "its predicted / measured MiB", "the control under the cap"]
-    rows, cap_rows = [], []
+    rows, cap_rows, memory = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-planner-") as work:
         for name in args.models.split(","):
             r = bench_model(name, args, work)
@@ -236,6 +244,7 @@ def main() -> None:
                         if r["control predicted MiB"] else "-"), r["control under cap"]]
             common.print_row(cap_row, cap_header)
             cap_rows.append(cap_row)
+            memory.extend(r["memory rows"])
     description = (
         "The planner's pick (tfdist.plan with its defaults: 5 trials, 180 s) against the "
         "exhaustive grid over the candidates it predicted to fit (each a trial process, as "
@@ -252,6 +261,13 @@ def main() -> None:
              + common.markdown_table(cap_rows, cap_header))
     common.finish("planner", "The planner against the exhaustive grid", description, rows,
                   header, clock, after=after)
+    write_memory(memory)
+
+
+def write_memory(rows: list) -> None:
+    """The memory model's error per grid run (bench/results/planner_memory.md)."""
+    common.write_section("planner_memory", "The planner's memory model per configuration",
+                         MEMORY_DESCRIPTION + "\n\n" + common.markdown_table(rows, MEMORY_HEADER))
 
 
 # -- Keras fit on the same model and data, beside the pick -----------------------------
@@ -350,14 +366,8 @@ def memory_only(args, clock) -> None:
             for row in memory_rows(name, passes[0]):
                 common.print_row(row, MEMORY_HEADER)
                 rows.append(row)
-    description = (
-        "Each grid run of the planner (a trial process per candidate, as the planner "
-        "measures) with its predicted peak, term by term, against its measured peak "
-        "(its memory cgroup's peak where it has one, else its peak resident set); the "
-        "memory rule: within 15% where the predicted bytes above the runtime are at least "
-        "1 GiB, else within 150 MiB.")
     common.finish("planner_memory", "The planner's memory model per configuration",
-                  description, rows, MEMORY_HEADER, clock)
+                  MEMORY_DESCRIPTION, rows, MEMORY_HEADER, clock)
 
 
 if __name__ == "__main__":

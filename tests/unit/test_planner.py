@@ -211,7 +211,7 @@ def test_dtensor_memory_adds_what_its_probe_measured_beyond_its_terms(facts):
     control: without a probe the term is 0."""
     cost = search.cost_model(strategies.engine("dtensor"))
     probed = _probed(facts, {(0, 1): 16.0, (1, 1): 20.0, (2, 1): 23.0, (3, 1): 6.0,
-                             (0, 8): 30.0, (3, 8): 27.0})
+                             (0, 8): 30.0, (1, 8): 34.0, (2, 8): 44.0, (3, 8): 27.0})
     options = {"mesh": "batch:4,model:1", "zero_stage": 0, "accum_steps": 1,
                "virtual_devices": 4, "precision": "float32", "jit_compile": "off"}
     computed = cost._per_device(facts, options["mesh"], 0)["computed"] * facts.host.devices
@@ -221,6 +221,7 @@ def test_dtensor_memory_adds_what_its_probe_measured_beyond_its_terms(facts):
 
     assert term(probed) == pytest.approx(16.0 * computed)
     assert term(probed, zero_stage=2) == pytest.approx(23.0 * computed)
+    assert term(probed, zero_stage=2, accum_steps=8) == pytest.approx(44.0 * computed)
     assert term(probed, accum_steps=2) == pytest.approx(18.0 * computed)   # +2 per micro-batch
     assert term(probed, zero_stage=1, accum_steps=4) == pytest.approx(26.0 * computed)
     assert term(probed, zero_stage=3, accum_steps=4) == pytest.approx(15.0 * computed)
@@ -355,3 +356,21 @@ def test_a_lossy_choice_wins_only_where_it_is_clearly_faster(facts):
     assert search.winner([kept, lossy]) is kept
     measured(lossy, 111.0)
     assert search.winner([kept, lossy]) is lossy
+
+
+def test_a_tensor_parallel_mesh_over_hosts_sums_its_activations_over_the_link(facts):
+    """A `model` axis larger than a process's devices spans processes: its
+    exchanges of split layers' outputs cross the link between hosts; within
+    a process they are memory copies (the control)."""
+    cost = search.cost_model(strategies.engine("dtensor"))
+    options = {"zero_stage": 0, "accum_steps": 1, "virtual_devices": 2,
+               "precision": "float32", "jit_compile": "off"}
+    cluster = dataclasses.replace(_cluster(facts, 2, 100e6 / 8), host=dataclasses.replace(
+        _cluster(facts, 2, 100e6 / 8).host, devices=2))
+    across = cost.estimate(cluster, {**options, "mesh": "batch:1,model:4"})
+    within = cost.estimate(cluster, {**options, "mesh": "batch:2,model:2"})
+    assert "tensor-parallel exchanges" in across.over_link
+    assert "tensor-parallel exchanges" not in within.over_link
+    assert "gradient reduction" in within.over_link        # its batch rows span the hosts
+    assert (across.time["tensor-parallel exchanges"]
+            > 10 * within.time["tensor-parallel exchanges"])

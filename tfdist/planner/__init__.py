@@ -207,8 +207,9 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
            if hosts > 1 else "")
         + f", memory budget {host.memory_budget / GiB:.2f} GiB per process")
     with tempfile.TemporaryDirectory(prefix="tfdist-plan-", dir=work_dir) as scratch:
-        facts = _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules,
-                                functions, allow_lossy, search_seconds, log, scratch)
+        facts, once = _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules,
+                                      functions, allow_lossy, search_seconds, log, scratch)
+        started += once   # a host's own measurements, made once, are not the search's
         candidates = search_lib.enumerate_candidates(facts, allow_lossy)
         if not search_lib.rank(candidates):
             raise search_lib.too_small(candidates, host.memory_budget)
@@ -245,9 +246,10 @@ def _check(memory_budget, trials, spec, dataset_fn, processes=1, hosts=1,
 
 
 def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, functions,
-                    allow_lossy, search_seconds, log, scratch) -> Facts:
-    """The model's facts, its one-device measurements and each engine
-    family's runtime (the processes this starts are the calibration)."""
+                    allow_lossy, search_seconds, log, scratch) -> tuple:
+    """(The model's facts, its one-device measurements and each engine
+    family's runtime; the seconds spent on this host's own measurements,
+    which are cached). The processes this starts are the calibration."""
     from tfdist.data.inputs import of_run as inputs_of_run
     from tfdist.planner import calibrate, profile   # TensorFlow loads here
     inputs = inputs_of_run(config, dataset_fn, spec)
@@ -263,6 +265,7 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
     calibration = calibrate.measure(config, steps, allow_lossy, functions, log, scratch,
                                     timeout=max(60.0, search_seconds / 2),
                                     buffer_bytes=reads.buffer_bytes)
+    host_started = time.monotonic()
     families = {}
     for engine in strategies.engines():
         cost = search_lib.cost_model(engine)
@@ -277,12 +280,16 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
               if hasattr(search_lib.cost_model(engine), "probes")}
     calibration.probe = calibrate.probe(probes, host.devices, config, log, scratch,
                                         timeout=120.0)
+    once = time.monotonic() - host_started
+    if once > 10:
+        log(f"this host's engine runtimes and probes took {once:.0f} s (cached: once per "
+            "host; not counted in --search_seconds)")
     from tfdist.training.trainer import total_steps
     return Facts(model=model, calibration=calibration, host=host,
                  global_batch=config.train.global_batch_size,
                  shuffle_buffer=0 if config.data.synthetic else config.data.shuffle_buffer,
                  examples_read=total_steps(config.train, inputs.spec)
-                 * config.train.global_batch_size)
+                 * config.train.global_batch_size), once
 
 
 def trial_config(config: RunConfig, candidate: Candidate) -> RunConfig:

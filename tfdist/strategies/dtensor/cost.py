@@ -14,13 +14,13 @@ from tfdist.planner.costs import (Estimate, Facts, all_reduce_seconds, base_term
                                   probe_residual)
 
 ZERO_STAGES = (0, 1, 2, 3)
-# The probe runs (ZeRO stage, micro-batches): every stage at one micro-batch,
-# and the most micro-batches a search tries where the stage changes what
-# each holds (the gradients before their reduction at 0-2, the gathered
-# layers at 3): the growth is not linear in them (measured: slower to 4,
+# The probe runs (ZeRO stage, micro-batches): every stage at one micro-batch
+# and at the most micro-batches a search tries (what each further one holds
+# differs by stage: measured, stage 0's growth fell 140-200 MiB short of
+# stages 2's and 3's at 8). The growth is not linear in them (slower to 4,
 # faster to 8), so fewer are interpolated, from above.
 MOST = 8
-PROBES = tuple((stage, 1) for stage in ZERO_STAGES) + ((0, MOST), (3, MOST))
+PROBES = tuple((stage, accum) for stage in ZERO_STAGES for accum in (1, MOST))
 
 
 def _shards(spec, axes: dict) -> int:
@@ -69,12 +69,11 @@ class TensorSharding:
                     0)["computed"] * devices
                 per_byte[(probe_options["zero_stage"], probe_options["accum_steps"])] = (
                     max(0.0, missed) / computed)
-        one = per_byte.get((stage, 1), per_byte.get((0, 1)))
+        one = per_byte.get((stage, 1))
         if one is None:
             return 0.0
-        base = 3 if stage >= 3 else 0
-        more = ((per_byte[(base, MOST)] - per_byte[(base, 1)]) / (MOST - 1)
-                if (base, MOST) in per_byte and (base, 1) in per_byte else 0.0)
+        more = ((per_byte[(stage, MOST)] - one) / (MOST - 1)
+                if (stage, MOST) in per_byte else 0.0)
         computed = self._per_device(facts, options["mesh"], stage)["computed"] * devices
         return computed * max(0.0, one + (accum - 1) * more)
 
@@ -136,27 +135,46 @@ class TensorSharding:
         memory["step transients (probed)"] = self.transients(facts, options)
         memory["activations"] = facts.activation_bytes(
             facts.global_batch / host.processes / accum, precision)
-        batch_axis = axes[sharding.BATCH]
-        examples = facts.global_batch / host.hosts
-        compute = facts.concurrent_seconds(examples, precision, options["jit_compile"],
+        time, over_link = self._time(facts, options, axes)
+        return Estimate(memory, time, processes=host.processes, family=self.family,
+                        over_link=over_link)
+
+    @staticmethod
+    def _time(facts: Facts, options: dict, axes: dict) -> tuple:
+        """(time terms, those over the links between hosts). The mesh's
+        devices are row-major over (batch, model), each process holding
+        consecutive ones: `model` spans processes where it is larger than a
+        process's devices, `batch` where a process holds fewer of its rows."""
+        host, stage = facts.host, options["zero_stage"]
+        local, accum, precision = host.devices, options["accum_steps"], options["precision"]
+        batch_axis, model_axis = axes[sharding.BATCH], axes[sharding.MODEL]
+        compute = facts.concurrent_seconds(facts.global_batch / host.hosts, precision,
+                                           options["jit_compile"],
                                            local * host.processes // host.hosts)
         time = {"compute": compute}
         if stage >= 3:   # the forward pass again in the backward (FSDP), a third more
             time["second forward pass (ZeRO-3)"] = compute / 3
-        across = host.processes > 1
-        reduced = facts.model.trainable_bytes / axes[sharding.MODEL]
+        several = host.processes > 1
+        batch_across = several and batch_axis > max(1, local // model_axis)
+        model_across = several and model_axis > local
+        reduced = facts.model.trainable_bytes / model_axis
         time["gradient reduction"] = all_reduce_seconds(facts, reduced, batch_axis,
-                                                        local=not across)
+                                                        local=not batch_across)
         if stage >= 3:   # each layer gathered twice per step (half the bytes of an all-reduce each)
             time["parameter gathers (ZeRO-3)"] = all_reduce_seconds(
-                facts, facts.model.param_bytes / axes[sharding.MODEL], batch_axis,
-                local=not across)
+                facts, facts.model.param_bytes / model_axis, batch_axis, local=not batch_across)
+        if model_axis > 1:   # split layers' outputs (and their gradients) summed over `model`
+            time["tensor-parallel exchanges"] = all_reduce_seconds(
+                facts, facts.activation_bytes(facts.global_batch / batch_axis, precision),
+                model_axis, local=not model_across)
         if accum > 1:
             time["micro-batch overhead"] = (accum - 1) * facts.step_overhead()
-        link = (("gradient reduction", "parameter gathers (ZeRO-3)")
-                if across and host.hosts > 1 else ())
-        return Estimate(memory, time, processes=host.processes, family=self.family,
-                        over_link=tuple(n for n in link if n in time))
+        over_link = []
+        if host.hosts > 1:
+            over_link += ["gradient reduction"] * batch_across
+            over_link += ["parameter gathers (ZeRO-3)"] * (batch_across and stage >= 3)
+            over_link += ["tensor-parallel exchanges"] * (model_across and model_axis > 1)
+        return time, tuple(over_link)
 
 
 COST = TensorSharding()
