@@ -146,9 +146,11 @@ def plan_main(argv: list[str]) -> None:
     with open(temporary, "w") as f:
         f.write(plan.flagfile())
     os.replace(temporary, target)
-    runner_up = plan.runner_up
+    runner_up, hosts = plan.runner_up, plan.facts.host.hosts
+    expected = plan.winner.expected_rate(plan.facts.global_batch)
     print(f"{_prog()}: chose {plan.winner.describe()} "
           f"({plan.winner.measured_rate():,.0f} examples/s measured"
+          + (f" here, {expected:,.0f} expected over {hosts} hosts" if hosts > 1 else "")
           + (f"; runner-up {runner_up.describe()}, {runner_up.measured_rate():,.0f}"
              if runner_up else "")
           + f"); wrote {plan_file}: tfdist-train --flagfile={plan_file}", flush=True)

@@ -342,7 +342,7 @@ def test_a_cluster_that_cannot_be_planned_is_refused_before_any_measurement(
 def test_a_lossy_choice_wins_only_where_it_is_clearly_faster(facts):
     """The winner keeps the math unless a lossy candidate measured at least
     LOSSY_GAIN times faster than the best lossless one."""
-    found = [c for c in _candidates(_cluster(facts, 2, 100e6 / 8), lossy=True)
+    found = [c for c in _candidates(_cluster(facts, 1, 100e6 / 8), lossy=True)
              if not c.dropped]
     kept = next(c for c in found if c.lossless)
     lossy = next(c for c in found if not c.lossless)
@@ -353,9 +353,9 @@ def test_a_lossy_choice_wins_only_where_it_is_clearly_faster(facts):
 
     measured(kept, 100.0)
     measured(lossy, 105.0)
-    assert search.winner([kept, lossy]) is kept
+    assert search.winner([kept, lossy], facts.global_batch) is kept
     measured(lossy, 111.0)
-    assert search.winner([kept, lossy]) is lossy
+    assert search.winner([kept, lossy], facts.global_batch) is lossy
 
 
 def test_a_tensor_parallel_mesh_over_hosts_sums_its_activations_over_the_link(facts):
@@ -374,3 +374,27 @@ def test_a_tensor_parallel_mesh_over_hosts_sums_its_activations_over_the_link(fa
     assert "gradient reduction" in within.over_link        # its batch rows span the hosts
     assert (across.time["tensor-parallel exchanges"]
             > 10 * within.time["tensor-parallel exchanges"])
+
+
+def test_over_hosts_a_trial_measures_the_computation_and_the_link_is_added(facts):
+    """A trial runs every process on this host: the rate expected on the
+    cluster is its computation as measured (against the trial's own
+    prediction) plus the links' predicted time; on one host it is the
+    measured rate itself (the control)."""
+    cluster = _cluster(facts, 2, 100e6 / 8)
+    candidate = next(c for c in _candidates(cluster, lossy=False) if c.engine == "multi_worker")
+    cost = search.cost_model(strategies.engine("multi_worker"))
+    candidate.trial_estimate = cost.estimate(
+        dataclasses.replace(cluster, host=cluster.host.one_host()), candidate.options)
+    batch, local = facts.global_batch, candidate.trial_estimate.step_seconds
+    candidate.trial = search.trials_lib.TrialResult(   # measured twice as slow as predicted
+        ok=True, reason="", seconds=1.0, runs=[{"examples_per_sec": batch / (2 * local)}],
+        peaks=[5e8])
+    e = candidate.estimate
+    assert candidate.expected_rate(batch) == pytest.approx(
+        batch / (2 * (e.step_seconds - e.link_seconds) + e.link_seconds))
+    assert candidate.expected_rate(batch) < candidate.measured_rate()
+    here = next(c for c in _candidates(_cluster(facts, 1, 100e6 / 8), lossy=False)
+                if c.engine == "multi_worker")
+    here.trial = candidate.trial
+    assert here.expected_rate(batch) == here.measured_rate()

@@ -41,8 +41,9 @@ class Plan:
 
     @property
     def runner_up(self) -> Optional[Candidate]:
+        batch = self.facts.global_batch
         measured = sorted((c for c in self.candidates if c.measured_rate()),
-                          key=lambda c: -c.measured_rate())
+                          key=lambda c: -c.expected_rate(batch))
         return measured[1] if len(measured) > 1 else None
 
     def winner_config(self) -> RunConfig:
@@ -52,11 +53,12 @@ class Plan:
         return config_lib.flagfile(self.winner_config())
 
     def rows(self) -> list:
-        """One dict per candidate: tried first (best measured first), then the
-        rest by predicted time, then the dropped."""
+        """One dict per candidate: tried first (the fastest expected on the
+        cluster first: measured, over several hosts with the links'
+        predicted time), then the rest by predicted time, then the dropped."""
         batch = self.facts.global_batch
         tried = sorted((c for c in self.candidates if c.trial),
-                       key=lambda c: -(c.measured_rate() or 0))
+                       key=lambda c: -(c.expected_rate(batch) or 0))
         ranked = [c for c in search_lib.rank(self.candidates) if not c.trial]
         dropped = [c for c in self.candidates if c.dropped]
         rows = []
@@ -68,6 +70,7 @@ class Plan:
                 "measured_gib": (c.measured_peak() / GiB) if c.measured_peak() else None,
                 "predicted_examples_per_sec": c.predicted_rate(batch) if c.estimate else None,
                 "measured_examples_per_sec": rate,
+                "expected_examples_per_sec": c.expected_rate(batch),
                 "mfu": self._mfu(c, rate),
                 "status": ("chosen" if c is self.winner else "tried" if c.trial and c.trial.ok
                            else f"failed: {c.trial.reason}" if c.trial
@@ -82,16 +85,21 @@ class Plan:
 
     def table(self, limit: int = 20) -> str:
         rows = self.rows()
+        hosts = self.facts.host.hosts
+        measured = (f"measured here (expected over {hosts} hosts)" if hosts > 1
+                    else "measured")
         lines = ["| # | candidate | memory GiB predicted / measured | examples/s predicted / "
-                 "measured | MFU | status |", "|---|---|---|---|---|---|"]
+                 f"{measured} | MFU | status |", "|---|---|---|---|---|---|"]
         shown = [r for r in rows if not r["status"].startswith("dropped")][:limit]
         dropped = [r for r in rows if r["status"].startswith("dropped")]
         for number, r in enumerate(shown, 1):
             lines.append(f"| {number} | {r['candidate']} | {_num(r['predicted_gib'], 2)} / "
                          f"{_num(r['measured_gib'], 2)} | "
                          f"{_num(r['predicted_examples_per_sec'], 0)} / "
-                         f"{_num(r['measured_examples_per_sec'], 0)} | "
-                         f"{_pct(r['mfu'])} | {r['status']} |")
+                         f"{_num(r['measured_examples_per_sec'], 0)}"
+                         + (f" ({_num(r['expected_examples_per_sec'], 0)})" if hosts > 1
+                            and r["measured_examples_per_sec"] else "")
+                         + f" | {_pct(r['mfu'])} | {r['status']} |")
         live = sum(1 for r in rows if not r["status"].startswith("dropped"))
         if live > len(shown):
             lines.append(f"| | ... {live - len(shown)} more not tried | | | | |")

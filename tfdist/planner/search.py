@@ -82,6 +82,18 @@ class Candidate:
     def measured_rate(self) -> Optional[float]:
         return self.trial.examples_per_sec if self.trial and self.trial.ok else None
 
+    def expected_rate(self, batch: int) -> Optional[float]:
+        """Its examples/s on the cluster planned for: what its trial measured,
+        where the trial ran it as planned (one host); over several hosts,
+        its computation as measured here plus its predicted time on the
+        links between them."""
+        rate = self.measured_rate()
+        if not rate or not self.estimate.link_seconds:
+            return rate
+        own = batch / rate / (self.trial_estimate or self.estimate).step_seconds
+        link = self.estimate.link_seconds
+        return batch / ((self.estimate.step_seconds - link) * own + link)
+
     def measured_peak(self) -> Optional[float]:
         return max(self.trial.peaks) if self.trial and self.trial.peaks else None
 
@@ -221,6 +233,9 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
         if candidate.group not in seen:
             seen.add(candidate.group)
             firsts.append(candidate)
+    lossless = next((c for c in order if c.lossless), None)
+    if lossless is not None and lossless not in firsts:
+        firsts.insert(0, lossless)   # what a lossy pick must beat (`winner`)
     tried = 0
     queue = firsts
     while tried < search.trials and search.left() > 0:
@@ -235,7 +250,7 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
         measure(search, candidate, tried + 1)
         tried += 1
     _refine(candidates, search.facts.global_batch)
-    return winner(candidates)
+    return winner(candidates, search.facts.global_batch)
 
 
 # A choice that changes the math wins only where it is this much faster than
@@ -244,18 +259,22 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
 LOSSY_GAIN = 1.10
 
 
-def winner(candidates: list) -> Optional[Candidate]:
-    """The best measured candidate that keeps the math, unless one that
-    changes it measured at least LOSSY_GAIN times faster."""
+def winner(candidates: list, batch: int) -> Optional[Candidate]:
+    """The candidate that keeps the math expected fastest on the cluster
+    (measured, on one host), unless one that changes it is expected at least
+    LOSSY_GAIN times faster."""
+    def rate(c):
+        return c.expected_rate(batch)
+
     measured = [c for c in candidates if c.measured_rate()]
     if not measured:
         return None
-    best = max(measured, key=lambda c: c.measured_rate())
+    best = max(measured, key=rate)
     lossless = [c for c in measured if c.lossless]
     if best.lossless or not lossless:
         return best
-    kept = max(lossless, key=lambda c: c.measured_rate())
-    return best if best.measured_rate() >= LOSSY_GAIN * kept.measured_rate() else kept
+    kept = max(lossless, key=rate)
+    return best if rate(best) >= LOSSY_GAIN * rate(kept) else kept
 
 
 # A candidate is worth a trial after every engine's first while its refined
@@ -266,7 +285,8 @@ WORTH = 0.95
 
 def _worth_a_trial(candidate: Candidate, candidates: list, search: Search) -> bool:
     batch = search.facts.global_batch
-    best = max((c.measured_rate() for c in candidates if c.measured_rate()), default=None)
+    best = max((c.expected_rate(batch) for c in candidates if c.measured_rate()),
+               default=None)
     if best is None or candidate.predicted_rate(batch) >= WORTH * best:
         return True
     search.log(f"no trial left is predicted within {1 - WORTH:.0%} of the best measured "
