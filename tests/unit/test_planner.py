@@ -398,3 +398,26 @@ def test_over_hosts_a_trial_measures_the_computation_and_the_link_is_added(facts
                 if c.engine == "multi_worker")
     here.trial = candidate.trial
     assert here.expected_rate(batch) == here.measured_rate()
+
+
+def test_each_family_runtime_is_measured_with_its_own_processes(tmp_path, monkeypatch):
+    """multi_worker's runtime is a tiny run of two processes (each holds its
+    collective runtime), the peak the larger of theirs; the others one."""
+    from tfdist.planner import calibrate, trials as trials_lib
+    monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
+    started = {}
+
+    def run(runs, processes=1, **kwargs):
+        family = next(f.split("=")[1] for f in runs[0] if f.startswith("--strategy="))
+        started[family] = processes
+        return trials_lib.TrialResult(ok=True, reason="", seconds=1.0, runs=[],
+                                      peaks=[5e8, 6e8][:processes])
+    monkeypatch.setattr(trials_lib, "run", run)
+    families = {}
+    for engine in ("default", "multi_worker"):
+        cost = search.cost_model(strategies.engine(engine))
+        families[cost.family] = (cost.runtime_flags(2), getattr(cost, "runtime_processes", 1))
+    found = calibrate.baselines(families, 2, run_config(batch=32), "image", {},
+                                lambda line: None, None, 60.0)
+    assert started == {"default": 1, "multi_worker": 2}
+    assert found == {"default": 5e8, "multi_worker": 6e8}

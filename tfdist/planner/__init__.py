@@ -278,8 +278,8 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
     for engine in strategies.engines():
         cost = search_lib.cost_model(engine)
         flags = cost.runtime_flags(host.devices) if cost else None
-        if flags:
-            families.setdefault(cost.family, flags)
+        if flags and next(iter(cost.candidates(reads)), None) is not None:
+            families.setdefault(cost.family, (flags, getattr(cost, "runtime_processes", 1)))
     calibration.baselines = calibrate.baselines(families, host.devices, config,
                                                 inputs.spec.kind, functions, log, scratch,
                                                 timeout=120.0)

@@ -140,8 +140,8 @@ def _tiny(config: RunConfig, kind: str, functions: dict) -> tuple:
 def baselines(families: dict, devices: int, config: RunConfig, kind: str, functions: dict,
               log: Callable, work_dir: Optional[str], timeout: float) -> dict:
     """family -> peak resident bytes of a tiny model on the run's data under it
-    (cached per host, versions and data); `families`: family -> its engine's
-    flags for the tiny run."""
+    (cached per host, versions and data); `families`: family -> (its engine's
+    flags for the tiny run, the processes it starts)."""
     tiny, tiny_functions = _tiny(config, kind, functions)
     data = (json.dumps(functions["dataset_fn"], sort_keys=True) if functions.get("dataset_fn")
             else " ".join(sorted(tiny)))
@@ -151,10 +151,11 @@ def baselines(families: dict, devices: int, config: RunConfig, kind: str, functi
     missing = [f for f in families if f not in found]
     for family in missing:
         log(f"measuring the {family} engine's runtime (a tiny model; cached for this host)")
-        result = trials_lib.run([tiny + families[family]], functions=tiny_functions, timeout=timeout,
-                                work_dir=work_dir)
+        flags, processes = families[family]
+        result = trials_lib.run([tiny + flags], processes=processes, functions=tiny_functions,
+                                timeout=timeout, work_dir=work_dir)
         if result.ok:
-            found[family] = result.peaks[0]
+            found[family] = max(result.peaks)
         else:
             log(f"  the {family} runtime could not be measured ({result.reason}); its "
                 "processes are predicted with the one-device runtime")

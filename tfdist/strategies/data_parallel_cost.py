@@ -109,8 +109,12 @@ class ReplicaPerProcess:
     def __init__(self, family: str):
         self.family = family
 
-    def runtime_flags(self, devices: int):
-        return None   # measured with a cluster (not yet: the one-device runtime applies)
+    # Its runtime is measured with two processes (tfdist-launch's cluster),
+    # each with its collective runtime and gRPC server.
+    runtime_processes = 2
+
+    def runtime_flags(self, devices: int) -> list:
+        return [f"--strategy={self.family}", "--virtual_devices=1"]
 
     @staticmethod
     def replicas(facts: Facts, options: dict) -> int:
