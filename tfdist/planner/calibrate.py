@@ -29,10 +29,6 @@ CACHE_VERSION = 3
 LOOPS = ["--global_batch_size=32", "--train_steps=200", "--steps_per_loop=100",
          "--jit_compile=off"]
 TINY = ["--model_width=16", "--model_depth=2", "--num_heads=2", *LOOPS]
-# The probe: a model whose state is large beside the runtime (16 MiB of
-# parameters), on synthetic data, so that what an engine holds per byte of
-# the model beyond its own cost model's terms can be measured (`probes`).
-PROBE = ["--model=mlp", "--model_width=1024", "--model_depth=2", "--synthetic", *LOOPS]
 # The tiny model for a kind of data: the run's own data, so the family's
 # input pipeline is measured too (a width-16 mlp at batch 256 on the bundled
 # images peaked at 0.81 GiB under dtensor, 0.62 on one device).
@@ -175,11 +171,18 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     optimizer's)."""
     if not wanted:
         return None
-    from tfdist import flags as tfdist_flags
+    from tfdist.config import DataConfig, ModelConfig, TrainConfig
     from tfdist.data.inputs import of_run as inputs_of_run
     from tfdist.planner import profile, search as search_lib
-    optimizer = [f for f in as_flags(config) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
-    probe_config = tfdist_flags.run_config_of(PROBE + optimizer)
+    # A model whose state is large beside the runtime (16 MiB of parameters),
+    # on synthetic data, with the run's optimizer (an update's temporaries are
+    # its own), the loops of the tiny runs.
+    probe_config = RunConfig(
+        model=ModelConfig(name="mlp", width=1024, depth=2), data=DataConfig(synthetic=True),
+        optimizer=config.optimizer,
+        train=TrainConfig(global_batch_size=32, train_steps=200, steps_per_loop=100,
+                          jit_compile="off"))
+    optimizer = [f for f in as_flags(probe_config) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
     runs = {strategies.REFERENCE: search_lib.apply(probe_config, strategies.REFERENCE,
                                                    {"virtual_devices": 1})}
     for engine, variants in wanted.items():
@@ -207,7 +210,7 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
                  reference=found.pop(strategies.REFERENCE), peaks=found)
 
 
-# The run's flags the probe runs with: what an update holds is the optimizer's.
+# The probe's flags its cache entry is keyed by (what an update holds).
 OPTIMIZER_FLAGS = ("--optimizer", "--clip_grad_norm")
 
 

@@ -94,7 +94,7 @@ class ModelFacts:
 
 @dataclasses.dataclass
 class Probe:
-    """The probe model (`calibrate.PROBE`) measured on one device and under
+    """The probe model (`calibrate.probe`) measured on one device and under
     engines' probe options: what an engine holds beyond its cost model's
     terms, per byte of the model, where that is more than noise.
 
