@@ -421,3 +421,17 @@ def test_each_family_runtime_is_measured_with_its_own_processes(tmp_path, monkey
                                 lambda line: None, None, 60.0)
     assert started == {"default": 1, "multi_worker": 2}
     assert found == {"default": 5e8, "multi_worker": 6e8}
+
+
+def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts):
+    """Measured (the same batch as one and as two micro-batches) it replaces
+    the step's fixed cost, which also holds the once-per-step update; the
+    control: unmeasured, the fixed cost stands in."""
+    cost = search.cost_model(strategies.engine("default"))
+    options = {"accum_steps": 4, "precision": "float32", "jit_compile": "off"}
+    measured = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, micro_batch_seconds=0.0005))
+    assert cost.estimate(measured, options).time["micro-batch overhead"] == pytest.approx(
+        3 * 0.0005)
+    assert cost.estimate(facts, options).time["micro-batch overhead"] == pytest.approx(
+        3 * facts.step_overhead())

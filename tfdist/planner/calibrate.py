@@ -48,37 +48,25 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
             log: Callable, work_dir: Optional[str], timeout: float,
             buffer_bytes: Callable[[float], float]) -> Calibration:
     """One-device processes: float32 at a quarter and at half the global
-    batch, half with XLA (a process of its own: its peak is its own), and,
+    batch (the half again as two micro-batches), half with XLA (a process of
+    its own: its peak is its own), and,
     if `lossy`, mixed_bfloat16 at half (without, then with XLA, whose rate
     alone is read). `buffer_bytes(examples read)`: the shuffle buffer's
     bytes, taken off each peak (a run of the length asked for fills it
     further, which the estimates add back)."""
     batch = config.train.global_batch_size
     small, large = max(1, batch // 4), max(2, batch // 2)
-
-    def run(precision, jit, size):
-        one = config.replace(
-            strategy=dataclasses.replace(config.strategy, name=strategies.REFERENCE,
-                                         virtual_devices=1),
-            train=dataclasses.replace(config.train, precision=precision, jit_compile=jit,
-                                      global_batch_size=size, accum_steps=1))
-        return as_flags(trial_config(one, steps_per_loop))
-
-    processes = [[run("float32", "off", small)], [run("float32", "off", large)],
-                 [run("float32", "on", large)]]
     if lossy and hardware.bf16_refusal():   # its runs would be refused: no bf16 candidates
         log(f"no mixed_bfloat16 candidates: {hardware.bf16_refusal()}")
         lossy = False
-    if lossy:
-        processes.append([run("mixed_bfloat16", "off", large),
-                          run("mixed_bfloat16", "on", large)])
+    processes = _processes(config, steps_per_loop, small, large, lossy)
     results = [_calibration_run(number, len(processes), runs, functions, log, work_dir,
                                 timeout) for number, runs in enumerate(processes, 1)]
 
     def peak(record, size):
         return record["peak_rss_bytes"] - buffer_bytes(2 * steps_per_loop * size)
 
-    (first,), (second,), (compiled,) = results[:3]
+    (first,), (second, *halves), (compiled,) = results[:3]
     rates = {("float32", "off"): second["examples_per_sec"],
              ("float32", "on"): compiled["examples_per_sec"]}
     peaks16 = None
@@ -91,7 +79,31 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         rates=rates, baselines={}, peaks16=peaks16,
         xla_bytes=max(0, compiled["peak_rss_bytes"] - second["peak_rss_bytes"]),
         times=((small, small / first["examples_per_sec"]),
-               (large, large / second["examples_per_sec"])))
+               (large, large / second["examples_per_sec"])),
+        micro_batch_seconds=(max(0.0, large / halves[0]["examples_per_sec"]
+                                 - large / second["examples_per_sec"]) if halves else None))
+
+
+def _processes(config: RunConfig, steps_per_loop: int, small: int, large: int,
+               lossy: bool) -> list:
+    """The calibration's processes, each a list of runs (flags) in order."""
+    def run(precision, jit, size, accum=1):
+        one = config.replace(
+            strategy=dataclasses.replace(config.strategy, name=strategies.REFERENCE,
+                                         virtual_devices=1),
+            train=dataclasses.replace(config.train, precision=precision, jit_compile=jit,
+                                      global_batch_size=size, accum_steps=accum))
+        return as_flags(trial_config(one, steps_per_loop))
+
+    # The larger batch again as two micro-batches, in the same process (its
+    # rate alone is read): what a further micro-batch costs.
+    split = [run("float32", "off", large, 2)] if large % 2 == 0 else []
+    processes = [[run("float32", "off", small)], [run("float32", "off", large), *split],
+                 [run("float32", "on", large)]]
+    if lossy:
+        processes.append([run("mixed_bfloat16", "off", large),
+                          run("mixed_bfloat16", "on", large)])
+    return processes
 
 
 def _calibration_run(number, count, runs, functions, log, work_dir, timeout) -> list:
@@ -104,8 +116,10 @@ def _calibration_run(number, count, runs, functions, log, work_dir, timeout) -> 
 
 def _describe(flags: list) -> str:
     values = dict(f[2:].split("=", 1) for f in flags if f.startswith("--") and "=" in f)
+    accum = values.get("accum_steps", "1")
     return (f"{values.get('precision')} batch {values.get('global_batch_size')} "
-            f"XLA {values.get('jit_compile')}")
+            f"XLA {values.get('jit_compile')}" + (f" in {accum} micro-batches"
+                                                  if accum != "1" else ""))
 
 
 # -- each engine family's runtime --------------------------------------------------

@@ -124,6 +124,9 @@ class Calibration:
     peaks16: Optional[tuple] = None
     times: tuple = ()
     xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
+    # What one further micro-batch added to a step (one device, no XLA), or
+    # None if not measured.
+    micro_batch_seconds: Optional[float] = None
     probe: Optional[Probe] = None
 
     def slope(self) -> float:
@@ -209,6 +212,14 @@ class Facts:
     def compute_seconds(self, examples: float, precision: str, jit: str) -> float:
         rate = self.rate(precision, jit)
         return examples / rate if rate else math.inf
+
+    def micro_batch_overhead(self) -> float:
+        """Seconds each micro-batch beyond the first adds to a step: measured
+        (the same batch as one and as two micro-batches on one device), else
+        the step's fixed cost (`step_overhead`), which also holds the update
+        and the host's loop, made once per step."""
+        measured = self.calibration.micro_batch_seconds
+        return self.step_overhead() if measured is None else measured
 
     def step_overhead(self) -> float:
         """Seconds a step costs whatever its batch (launching its ops, the

@@ -36,7 +36,7 @@ def _accumulator(options: dict) -> float:
 def _overhead(facts: Facts, options: dict, launches: int = 1) -> dict:
     """Each micro-batch beyond the first costs the step's fixed overhead again."""
     extra = (options["accum_steps"] - 1) * launches
-    return {"micro-batch overhead": extra * facts.step_overhead()} if extra else {}
+    return {"micro-batch overhead": extra * facts.micro_batch_overhead()} if extra else {}
 
 
 class OneDevice:

@@ -168,7 +168,7 @@ class TensorSharding:
                 facts, facts.activation_bytes(facts.global_batch / batch_axis, precision),
                 model_axis, local=not model_across)
         if accum > 1:
-            time["micro-batch overhead"] = (accum - 1) * facts.step_overhead()
+            time["micro-batch overhead"] = (accum - 1) * facts.micro_batch_overhead()
         over_link = []
         if host.hosts > 1:
             over_link += ["gradient reduction"] * batch_across

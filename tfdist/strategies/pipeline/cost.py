@@ -92,7 +92,7 @@ class Stages:
         compute = facts.concurrent_seconds(examples_per_host, precision, options["jit_compile"],
                                            positions // host.hosts)
         time = {"compute": compute, "bubble": compute * bubble / (1 - bubble),
-                "micro-batch overhead": (m * chunks - 1) * facts.step_overhead()}
+                "micro-batch overhead": (m * chunks - 1) * facts.micro_batch_overhead()}
         time.update(_exchanges(facts, split, stages, replicas, micro, m * chunks))
         link = ("gradient reduction", "activation transfers") if host.hosts > 1 else ()
         return Estimate(memory, time, processes=host.processes, family=self.family,
