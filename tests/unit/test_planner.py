@@ -435,3 +435,22 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts):
         3 * 0.0005)
     assert cost.estimate(facts, options).time["micro-batch overhead"] == pytest.approx(
         3 * facts.step_overhead())
+
+
+@pytest.mark.parametrize("lines,where,name", [
+    ("12:memory:/tfdist-launch-7/worker-0\n0::/\n", "memory/tfdist-launch-7/worker-0",
+     "memory.max_usage_in_bytes"),
+    ("0::/tfdist-launch-7/worker-0\n", "tfdist-launch-7/worker-0", "memory.peak")])
+def test_a_capped_trial_reads_its_cgroups_peak_v1_or_v2(tmp_path, monkeypatch, lines, where,
+                                                        name):
+    """Under `--worker_memory` a trial's peak is its memory cgroup's (v1's
+    max usage or v2's peak); without a cap (the control) none is read."""
+    from tfdist.planner import trial
+    own = tmp_path / "cgroup"
+    own.write_text(lines)
+    (tmp_path / where).mkdir(parents=True)
+    (tmp_path / where / name).write_text("123456789\n")
+    monkeypatch.setenv("TFDIST_WORKER_MEMORY", "1000000000")
+    assert trial._cgroup_peak(str(own), str(tmp_path)) == 123456789
+    monkeypatch.delenv("TFDIST_WORKER_MEMORY")
+    assert trial._cgroup_peak(str(own), str(tmp_path)) is None

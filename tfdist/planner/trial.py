@@ -24,18 +24,26 @@ def _task_index() -> int:
         return 0
 
 
-def _cgroup_peak() -> int | None:
-    """This process's memory cgroup peak (v2 memory.peak) when it has a
-    cgroup of its own (`tfdist-launch --worker_memory`), else None."""
+def _cgroup_peak(own: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """This process's memory cgroup peak when it has a cgroup of its own
+    (`tfdist-launch --worker_memory`): cgroup v2's memory.peak, or v1's
+    memory.max_usage_in_bytes in its memory hierarchy; else None."""
     if not os.environ.get("TFDIST_WORKER_MEMORY"):
         return None
     try:
-        with open("/proc/self/cgroup") as f:
-            path = next(line.strip().split(":", 2)[2] for line in f if line.startswith("0::"))
-        with open(f"/sys/fs/cgroup{path}/memory.peak") as f:
-            return int(f.read())
-    except (OSError, StopIteration, ValueError):
+        with open(own) as f:
+            groups = dict(line.strip().split(":", 2)[1:] for line in f if line.count(":") >= 2)
+    except (OSError, ValueError):
         return None
+    for hierarchy, path, name in (("memory", f"{root}/memory", "memory.max_usage_in_bytes"),
+                                  ("", root, "memory.peak")):
+        if hierarchy in groups:
+            try:
+                with open(f"{path}{groups[hierarchy]}/{name}") as f:
+                    return int(f.read())
+            except (OSError, ValueError):
+                continue
+    return None
 
 
 def main(argv: list[str]) -> int:
