@@ -454,3 +454,17 @@ def test_a_capped_trial_reads_its_cgroups_peak_v1_or_v2(tmp_path, monkeypatch, l
     assert trial._cgroup_peak(str(own), str(tmp_path)) == 123456789
     monkeypatch.delenv("TFDIST_WORKER_MEMORY")
     assert trial._cgroup_peak(str(own), str(tmp_path)) is None
+
+
+def test_the_reference_runtime_is_measured_for_a_cluster_too(facts):
+    """The families' runtimes are deltas from the one-device engine's: on a
+    cluster (no one-device candidate) it is still measured, beside
+    multi_worker's two processes; dtensor's is not where it has no
+    candidate (the control)."""
+    from tfdist import planner
+    cluster = _cluster(facts, 2, 1e8)
+    found = planner.runtime_families(cluster)
+    assert found["default"][1] == 1 and found["multi_worker"][1] == 2
+    assert "mirrored" not in found        # one device per process: no mirrored candidate
+    one = planner.runtime_families(facts)
+    assert "multi_worker" not in one and {"default", "mirrored", "dtensor"} <= set(one)

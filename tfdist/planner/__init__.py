@@ -118,10 +118,13 @@ class Plan:
                  + (f", measured {c.measured_peak() / GiB:.3f} GiB" if c.measured_peak()
                     else "") + ":"]
         lines += [f"    {name:<32} {value / GiB:8.3f} GiB" for name, value in e.memory.items()]
-        lines.append(f"  time per step, predicted {e.step_seconds * 1e3:.1f} ms"
-                     + (f" x {c.factor:.2f} (its engine's trials measured / predicted)"
-                        if c.factor != 1.0 else "")
+        lines.append(f"  time per step, predicted {c.predicted_seconds() * 1e3:.1f} ms"
+                     + (f", the terms a trial here measures x {c.factor:.2f} (its group's "
+                        "trials measured / predicted)" if c.factor != 1.0 else "")
+                     + (f", {', '.join(e.over_link)} over the links as predicted"
+                        if e.over_link else "")
                      + (f", measured {self.facts.global_batch / c.measured_rate() * 1e3:.1f} ms"
+                        + (" here" if self.facts.host.hosts > 1 else "")
                         if c.measured_rate() else "") + ":")
         lines += [f"    {name:<32} {value * 1e3:8.1f} ms" for name, value in e.time.items()]
         return "\n".join(lines)
@@ -274,12 +277,7 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
                                     timeout=max(60.0, search_seconds / 2),
                                     buffer_bytes=reads.buffer_bytes)
     host_started = time.monotonic()
-    families = {}
-    for engine in strategies.engines():
-        cost = search_lib.cost_model(engine)
-        flags = cost.runtime_flags(host.devices) if cost else None
-        if flags and next(iter(cost.candidates(reads)), None) is not None:
-            families.setdefault(cost.family, (flags, getattr(cost, "runtime_processes", 1)))
+    families = runtime_families(reads)
     calibration.baselines = calibrate.baselines(families, host.devices, config,
                                                 inputs.spec.kind, functions, log, scratch,
                                                 timeout=120.0)
@@ -298,6 +296,21 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
                  shuffle_buffer=0 if config.data.synthetic else config.data.shuffle_buffer,
                  examples_read=total_steps(config.train, inputs.spec)
                  * config.train.global_batch_size), once
+
+
+def runtime_families(facts: Facts) -> dict:
+    """family -> (flags, processes) of the tiny runs measuring each engine
+    family's runtime: the families of engines with candidates here, and the
+    reference's always (the others are measured against it)."""
+    families = {}
+    for engine in strategies.engines():
+        cost = search_lib.cost_model(engine)
+        flags = cost.runtime_flags(facts.host.devices) if cost else None
+        wanted = cost and (cost.family == strategies.REFERENCE
+                           or next(iter(cost.candidates(facts)), None) is not None)
+        if flags and wanted:
+            families.setdefault(cost.family, (flags, getattr(cost, "runtime_processes", 1)))
+    return families
 
 
 def trial_config(config: RunConfig, candidate: Candidate) -> RunConfig:
