@@ -1,7 +1,9 @@
 """The dtensor engine's cost model: each variable, gradient and optimizer
 slot by its layout on a batch x model mesh and the ZeRO stage (the layout
 rules and `sharding.zero_spec`, as the engine itself places them), ZeRO-3's
-gathered layers, and what its reductions move. No TensorFlow."""
+gathered layers, what the engine holds beyond them (measured by its probes,
+per byte), and what its reductions and tensor-parallel exchanges move, over
+the links between hosts where its axes span them. No TensorFlow."""
 
 from __future__ import annotations
 
