@@ -42,8 +42,8 @@ PORT = 23457
 PROBE_PORT = 23999
 HEADER = ["link", "planned for", "pick", "pick ex/s", "multi_worker ex/s", "pick / multi_worker",
           "runner-up"]
-# The cluster flags tfdist-launch-less workers take from the command line.
-CLUSTER = ("--worker_hosts", "--task_index", "--strategy")
+# The cluster flags each worker is given on its own command line.
+CLUSTER = ("--worker_hosts", "--task_index")
 
 SINK = """
 import socket, sys
@@ -84,18 +84,10 @@ def measure_link(link: netns.Link, megabytes: int) -> float:
         sink.wait()
 
 
-class Pick(netns.Workers):
-    """Two workers of the pick's configuration (its engine included), one per
-    namespace."""
-
-    def command(self, index):
-        hosts = ",".join(f"{address}:{self.port}" for address in self.link.addresses)
-        return ["ip", "netns", "exec", self.link.namespaces[index], netns.TRAIN,
-                *self.flags, f"--worker_hosts={hosts}", f"--task_index={index}"]
-
-
 def run_on_link(link, directory, name, flags, timeout) -> float:
-    workers = Pick(link, directory, flags, port=PORT)
+    # netns.Workers puts --strategy=multi_worker first: a pick's own engine,
+    # later on the command line, overrides it (absl keeps a flag's last value).
+    workers = netns.Workers(link, directory, flags, port=PORT)
     workers.start(name)
     codes = workers.wait(timeout)
     if codes != [0, 0]:
@@ -115,7 +107,7 @@ def config_of(args):
 
 def flags_of(config) -> list:
     from tfdist import config as config_lib
-    return [f for f in config_lib.as_flags(config) if f.split("=", 1)[0] not in CLUSTER[:2]]
+    return [f for f in config_lib.as_flags(config) if f.split("=", 1)[0] not in CLUSTER]
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from tfdist.config import TrainConfig
+from tfdist.matrices import matrix_shape
 from tfdist.planner.costs import (Estimate, Facts, all_gather_seconds, all_reduce_seconds,
                                   base_terms, state)
 
@@ -124,6 +125,9 @@ class ReplicaPerProcess:
         if facts.host.processes > 1:
             yield {"virtual_devices": 1}
             for kind in COMPRESSIONS:
+                if kind == "powersgd" and any(min(matrix) < POWERSGD_RANK
+                                              for matrix in _shapes(facts)[0]):
+                    continue   # the engine refuses a rank above a matrix's smaller side
                 yield {"virtual_devices": 1, "grad_compression": kind}
             yield {"virtual_devices": 1, "sync_every": SYNC_EVERY, "accum_steps": 1}
 
@@ -153,18 +157,16 @@ class ReplicaPerProcess:
 
 def _shapes(facts: Facts) -> tuple:
     """(matrices as [n, m], bytes sent whole) of the trained variables, as
-    the compressions treat them (`training.compression`: a tensor of two or
-    more dimensions split where it is most nearly square)."""
+    the compressions treat them (`matrices.matrix_shape`)."""
     matrices, whole = [], 0
     for variable in facts.model.variables:
         if not variable.trainable:
             continue
-        shape = variable.shape
-        if len(shape) < 2:
+        matrix = matrix_shape(variable.shape)
+        if matrix is None:
             whole += variable.bytes
-            continue
-        splits = [(math.prod(shape[:j]), math.prod(shape[j:])) for j in range(1, len(shape))]
-        matrices.append(max(splits, key=min))
+        else:
+            matrices.append(matrix)
     return matrices, whole
 
 
@@ -179,8 +181,8 @@ def _exchange(facts: Facts, kind: str, sync_every: int, workers: int) -> dict:
             facts, trainable / 2, workers, local=False)}
     matrices, whole = _shapes(facts)
     if kind == "powersgd":   # P then Q all-reduced (float32), 1-D tensors whole
-        p = sum(4 * n * min(POWERSGD_RANK, n, m) for n, m in matrices)
-        q = sum(4 * m * min(POWERSGD_RANK, n, m) for n, m in matrices)
+        p = sum(4 * n * POWERSGD_RANK for n, m in matrices)
+        q = sum(4 * m * POWERSGD_RANK for n, m in matrices)
         return {"gradient exchange (PowerSGD)": all_reduce_seconds(facts, p + whole, workers,
                                                                    local=False)
                 + all_reduce_seconds(facts, q, workers, local=False)}
@@ -199,7 +201,7 @@ def _compression_compute(facts: Facts, kind: str) -> dict:
     seconds = PASSES[kind] * facts.model.trainable_bytes / facts.host.local_bytes_per_s
     peak = facts.host.peak_flops.get("float32")
     if kind == "powersgd" and peak:   # P = M Q and Q = M^T P
-        seconds += sum(4 * n * m * min(POWERSGD_RANK, n, m) for n, m in matrices) / peak
+        seconds += sum(4 * n * m * POWERSGD_RANK for n, m in matrices) / peak
     return {f"compression ({kind})": seconds}
 
 

@@ -36,6 +36,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import UsageError
+from tfdist.matrices import matrix_shape
 from tfdist.strategies.capabilities import (ElasticMembership, ReplicaLocalState,
                                             capability, require)
 from tfdist.training import optimizers
@@ -97,16 +98,8 @@ def bytes_of(variable) -> int:
 
 
 def _matrix_shape(variable):
-    """[n, m] a tensor of 2 or more dimensions is treated as (None for 1-D and
-    scalars): its dimensions split in two where the matrix is most nearly
-    square (an attention kernel [width, heads, head size] as [width, heads x
-    head size]; a convolution [h, w, in, out] as [h x w x in, out]), which
-    leaves a low rank the most room."""
-    shape = [int(d) for d in variable.shape]
-    if len(shape) < 2:
-        return None
-    splits = [[math.prod(shape[:j]), math.prod(shape[j:])] for j in range(1, len(shape))]
-    return max(splits, key=min)
+    """`matrices.matrix_shape` of a variable."""
+    return matrix_shape(variable.shape)
 
 
 def _name(variable) -> str:
