@@ -437,6 +437,35 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts):
         3 * facts.step_overhead())
 
 
+def test_dtensor_micro_batches_cost_what_its_probes_measured_beyond_one_devices(facts):
+    """dtensor's further micro-batch is one device's measured cost times
+    what its probes at 1 and 8 micro-batches added over one device's at 1
+    and 8 (per ZeRO stage); the controls: without probe rates, or where one
+    device's own cost is within noise, the factor is 1."""
+    cost = search.cost_model(strategies.engine("dtensor"))
+    batch = 32
+    # One device: 10 ms at one micro-batch, 12.1 ms at 8 (0.3 ms more each).
+    rates = {f"dtensor zero{stage} accum{accum}": batch / seconds
+             for stage, per in ((0, 0.0009), (3, 0.0021))
+             for accum, seconds in ((1, 0.01), (8, 0.01 + 7 * per))}
+    probe = costs.Probe(model=facts.model, batch=batch, reference=6e8, peaks={}, rates=rates,
+                        reference_rates={1: batch / 0.01, 8: batch / 0.0121})
+    probed = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, probe=probe, micro_batch_seconds=0.0005))
+    options = {"mesh": "batch:4,model:1", "zero_stage": 0, "accum_steps": 4,
+               "virtual_devices": 4, "precision": "float32", "jit_compile": "off"}
+
+    def overhead(f, **changes):
+        return cost.estimate(f, {**options, **changes}).time["micro-batch overhead"]
+
+    assert overhead(probed) == pytest.approx(3 * 0.0005 * 3.0)
+    assert overhead(probed, zero_stage=3) == pytest.approx(3 * 0.0005 * 7.0)
+    assert overhead(probed, zero_stage=1) == pytest.approx(3 * 0.0005)     # no probe rates
+    noisy = dataclasses.replace(probe, reference_rates={1: batch / 0.01, 8: batch / 0.01015})
+    assert overhead(dataclasses.replace(probed, calibration=dataclasses.replace(
+        probed.calibration, probe=noisy))) == pytest.approx(3 * 0.0005)
+
+
 @pytest.mark.parametrize("lines,where,name", [
     ("12:memory:/tfdist-launch-7/worker-0\n0::/\n", "memory/tfdist-launch-7/worker-0",
      "memory.max_usage_in_bytes"),

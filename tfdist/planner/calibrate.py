@@ -20,7 +20,7 @@ from tfdist.observe import hardware
 from tfdist.planner import trials as trials_lib
 from tfdist.planner.costs import Calibration, Probe
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 # A loop of 100 steps, twice: an engine's resident memory grows over its first
 # long loop (dtensor's, by 0.14 GiB from a 10-step loop to a 100-step one, then
 # flat; one device's not at all), and a trial's loop is about as long. Without
@@ -179,8 +179,9 @@ def baselines(families: dict, devices: int, config: RunConfig, kind: str, functi
 
 def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
           work_dir: Optional[str], timeout: float) -> Optional[Probe]:
-    """The probe model on one device and under each engine's probe options.
-    `wanted`: engine name -> {variant: options}. None if nothing is wanted.
+    """The probe model on one device (at one micro-batch and at each number
+    a probe runs) and under each engine's probe options: each run's peak and
+    examples/s. `wanted`: engine name -> {variant: options}. None if nothing is wanted.
     Cached per host, versions and optimizer (the slots' temporaries are the
     optimizer's)."""
     if not wanted:
@@ -202,6 +203,12 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     for engine, variants in wanted.items():
         for variant, options in variants.items():
             runs[f"{engine} {variant}"] = search_lib.apply(probe_config, engine, options)
+    # One device at each number of micro-batches a probe runs: what a
+    # further micro-batch costs there, which an engine's costs are a multiple of.
+    for accum in sorted({o.get("accum_steps", 1) for v in wanted.values() for o in v.values()}
+                        - {1}):
+        runs[f"{strategies.REFERENCE} accum{accum}"] = search_lib.apply(
+            probe_config, strategies.REFERENCE, {"virtual_devices": 1, "accum_steps": accum})
     key = _cache_key(devices) + "|probe|" + " ".join(sorted(optimizer))
     cache = _read_cache()
     found = dict(cache.get(key, {}))
@@ -210,7 +217,7 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
         log(f"probe {number}/{len(missing)}: {name} (a 16 MiB mlp; cached for this host)")
         result = trials_lib.run([as_flags(runs[name])], timeout=timeout, work_dir=work_dir)
         if result.ok:
-            found[name] = result.peaks[0]
+            found[name] = {"peak": result.peaks[0], "rate": result.examples_per_sec}
         else:
             log(f"  the probe {name} could not be measured ({result.reason}); its engine's "
                 "candidates are predicted without it")
@@ -220,8 +227,14 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     if strategies.REFERENCE not in found:
         return None
     model = profile.model_facts(probe_config, inputs_of_run(probe_config))
+    reference = {1: found.pop(strategies.REFERENCE)}
+    for accum in [n for n in found if n.startswith(f"{strategies.REFERENCE} accum")]:
+        reference[int(accum.rsplit("accum", 1)[1])] = found.pop(accum)
     return Probe(model=model, batch=probe_config.train.global_batch_size,
-                 reference=found.pop(strategies.REFERENCE), peaks=found)
+                 reference=reference[1]["peak"],
+                 peaks={name: r["peak"] for name, r in found.items()},
+                 rates={name: r["rate"] for name, r in found.items()},
+                 reference_rates={accum: r["rate"] for accum, r in reference.items()})
 
 
 # The probe's flags its cache entry is keyed by (what an update holds).

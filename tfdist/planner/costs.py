@@ -99,12 +99,36 @@ class Probe:
     terms, per byte of the model, where that is more than noise.
 
     `peaks`: "<engine> <variant>" -> peak resident bytes; `reference`: the
-    one-device run's peak."""
+    one-device run's peak; `rates`: "<engine> <variant>" -> examples/s, and
+    the one-device runs' by micro-batches, `reference_rates`: accum -> examples/s."""
 
     model: ModelFacts
     batch: int
     reference: float
     peaks: dict
+    rates: dict = dataclasses.field(default_factory=dict)
+    reference_rates: dict = dataclasses.field(default_factory=dict)
+
+    def micro_batch_factor(self, engine: str, one: str, most: str, accum: int
+                           ) -> Optional[float]:
+        """What a further micro-batch costs under `engine`'s probe variant
+        `most` (`accum` micro-batches) beyond its variant `one` (one
+        micro-batch), as a multiple of what it costs on one device; None
+        where a rate is missing or one device's cost is within noise."""
+        def seconds(rate):
+            return self.batch / rate if rate else None
+
+        times = [seconds(self.rates.get(f"{engine} {one}")),
+                 seconds(self.rates.get(f"{engine} {most}")),
+                 seconds(self.reference_rates.get(1)), seconds(self.reference_rates.get(accum))]
+        if None in times or accum < 2:
+            return None
+        engine_more = max(0.0, times[1] - times[0])
+        reference_more = times[3] - times[2]
+        # Below 2% of its step the one-device cost is the timing's noise: no factor.
+        if reference_more <= 0.02 * times[2]:
+            return None
+        return engine_more / reference_more
 
 
 @dataclasses.dataclass
