@@ -466,6 +466,49 @@ def test_dtensor_micro_batches_cost_what_its_probes_measured_beyond_one_devices(
         probed.calibration, probe=noisy))) == pytest.approx(3 * 0.0005)
 
 
+def test_devices_at_once_gain_alike_with_and_without_xla(facts):
+    """Devices computing at once gain at most what the best one device (here
+    with XLA, 1500 examples/s) leaves of the host's peak, with XLA or
+    without: XLA's gain on several devices is one device's; the control: a
+    host without a measured peak is assumed to gain nothing."""
+    flops = facts.model.flops_per_example
+    peaked = dataclasses.replace(facts, host=dataclasses.replace(
+        facts.host, peak_flops={"float32": 1.2 * 1500.0 * flops}))
+    assert peaked.concurrency("float32", 2) == pytest.approx(1.2)
+    off, on = (peaked.concurrent_seconds(64, "float32", jit, 2) for jit in ("off", "on"))
+    assert off / on == pytest.approx(1.5)
+    assert facts.concurrency("float32", 2) == 1.0
+
+
+def test_dtensor_zero_stages_cost_what_their_probes_measured_beyond_stage_0(facts):
+    """A ZeRO stage's time beyond stage 0's and its modeled terms is its
+    probe's unexplained seconds less stage 0's, per computed byte (the probe
+    model is the test's own here: 1 to 1); the control: without probe rates
+    there is no such term."""
+    cost = search.cost_model(strategies.engine("dtensor"))
+    options = {"mesh": "batch:4,model:1", "zero_stage": 0, "accum_steps": 1,
+               "virtual_devices": 4, "precision": "float32", "jit_compile": "off"}
+    bare = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, probe=costs.Probe(model=facts.model, batch=32, reference=6e8,
+                                             peaks={}, reference_rates={1: 3200.0})))
+    predicted = {stage: cost.estimate(costs.probe_facts(bare), {**options, "zero_stage": stage}
+                                      ).step_seconds for stage in (0, 1, 3)}
+    unexplained = {0: 0.002, 1: 0.005, 3: 0.009}    # seconds beyond each stage's prediction
+    rates = {f"dtensor zero{stage} accum1": 32 / (predicted[stage] + unexplained[stage])
+             for stage in predicted}
+    probed = dataclasses.replace(bare, calibration=dataclasses.replace(
+        bare.calibration, probe=dataclasses.replace(bare.calibration.probe, rates=rates)))
+
+    def term(f, stage):
+        return cost.estimate(f, {**options, "zero_stage": stage}).time.get(
+            "ZeRO beyond its terms (probed)")
+
+    assert term(probed, 1) == pytest.approx(0.003)
+    assert term(probed, 3) == pytest.approx(0.007)
+    assert term(probed, 0) is None and term(probed, 2) is None    # stage 2 not probed
+    assert term(facts, 1) is None
+
+
 @pytest.mark.parametrize("lines,where,name", [
     ("12:memory:/tfdist-launch-7/worker-0\n0::/\n", "memory/tfdist-launch-7/worker-0",
      "memory.max_usage_in_bytes"),

@@ -255,11 +255,16 @@ class Facts:
         per_example = (t2 - t1) / (b2 - b1)
         return max(0.0, t1 - per_example * b1)
 
-    def concurrency(self, precision: str, jit: str, devices: int) -> float:
+    def concurrency(self, precision: str, devices: int) -> float:
         """How much faster `devices` kept busy at once compute than one
-        device: at most the cores, and at most what one device leaves of the
-        host's matmul peak (a device at 40% of it can gain at most 2.5x)."""
-        rate = self.rate(precision, jit)
+        device: at most the cores, and at most what the best one device (with
+        or without XLA) leaves of the host's matmul peak (a device at 40% of
+        it can gain at most 2.5x). The best, with XLA or without: a step slower
+        without XLA leaves the cores no idler, it uses them worse (measured,
+        2 virtual devices on 2 cores: XLA's gain under mirrored as on one
+        device, 1.38x and 1.45x, where the step's own rate would give 1.03x)."""
+        rate = max((r for (p, _), r in self.calibration.rates.items()
+                    if p == precision and r), default=None)
         peak = self.host.peak_flops.get(precision)
         flops = self.model.flops_per_example
         if devices <= 1 or not (rate and peak and flops):
@@ -270,7 +275,7 @@ class Facts:
                            devices: int) -> float:
         """`compute_seconds` for `devices` of one host working at once."""
         return (self.compute_seconds(examples, precision, jit)
-                / self.concurrency(precision, jit, devices))
+                / self.concurrency(precision, devices))
 
 
 def _link(facts: Facts, local: bool) -> tuple:
@@ -357,25 +362,47 @@ def base_terms(facts: Facts, family: str, jit: str = "off") -> dict:
     return terms
 
 
+def probe_facts(facts: Facts) -> Facts:
+    """The probe model's facts on this host (one process): its one-device
+    peak at both batch sizes and its one-device rate (float32, no XLA). They
+    have no probe, so an engine's cost model predicts it without the terms
+    its probes measure."""
+    probe = facts.calibration.probe
+    batch = probe.batch
+    rate = probe.reference_rates.get(1)
+    return Facts(
+        model=probe.model,
+        calibration=Calibration(points=((batch, probe.reference), (2 * batch, probe.reference)),
+                                rates={("float32", "off"): rate} if rate else {},
+                                baselines=facts.calibration.baselines),
+        host=dataclasses.replace(facts.host, processes=1, hosts=1), global_batch=batch)
+
+
+PROBE_OPTIONS = {"precision": "float32", "jit_compile": "off", "accum_steps": 1}
+
+
 def probe_residual(facts: Facts, cost, engine: str, variant: str, options: dict
                    ) -> Optional[float]:
     """What `cost` (an engine's cost model) leaves out on the probe model
     under `options` (its probe `variant`): the measured peak less the
-    predicted one, in bytes; None if the probe was not measured. The probe's
-    own facts have no probe, so `cost.estimate` predicts it without the
-    term this measures."""
+    predicted one, in bytes; None if the probe was not measured."""
     probe = facts.calibration.probe
     measured = probe.peaks.get(f"{engine} {variant}") if probe else None
     if measured is None:
         return None
-    batch = probe.batch
-    probe_facts = Facts(
-        model=probe.model,
-        calibration=Calibration(points=((batch, probe.reference), (2 * batch, probe.reference)),
-                                rates={}, baselines=facts.calibration.baselines),
-        host=dataclasses.replace(facts.host, processes=1, hosts=1), global_batch=batch)
-    full = {"precision": "float32", "jit_compile": "off", "accum_steps": 1, **options}
-    return measured - cost.estimate(probe_facts, full).peak_bytes
+    return measured - cost.estimate(probe_facts(facts), {**PROBE_OPTIONS, **options}).peak_bytes
+
+
+def probe_time_residual(facts: Facts, cost, engine: str, variant: str, options: dict
+                        ) -> Optional[float]:
+    """The same for step time: the probe's measured seconds per step under
+    `options` less `cost`'s prediction for it; None if not measured."""
+    probe = facts.calibration.probe
+    rate = probe.rates.get(f"{engine} {variant}") if probe else None
+    if not rate or not probe.reference_rates.get(1):
+        return None
+    predicted = cost.estimate(probe_facts(facts), {**PROBE_OPTIONS, **options}).step_seconds
+    return probe.batch / rate - predicted
 
 
 def dividers(n: int) -> Iterable[int]:

@@ -14,7 +14,7 @@ from typing import Optional
 from tfdist import sharding
 from tfdist.errors import UsageError
 from tfdist.planner.costs import (Estimate, Facts, all_reduce_seconds, base_terms, dividers,
-                                  probe_residual)
+                                  probe_residual, probe_time_residual)
 
 ZERO_STAGES = (0, 1, 2, 3)
 # The probe runs (ZeRO stage, micro-batches): every stage at one micro-batch
@@ -67,9 +67,8 @@ class TensorSharding:
         for variant, probe_options in self.probes(devices).items():
             missed = probe_residual(facts, self, "dtensor", variant, probe_options)
             if missed is not None:
-                computed = self._per_device(
-                    dataclasses.replace(facts, model=probe.model), probe_options["mesh"],
-                    0)["computed"] * devices
+                computed = self._computed(dataclasses.replace(facts, model=probe.model),
+                                          probe_options)
                 per_byte[(probe_options["zero_stage"], probe_options["accum_steps"])] = (
                     max(0.0, missed) / computed)
         one = per_byte.get((stage, 1))
@@ -77,8 +76,7 @@ class TensorSharding:
             return 0.0
         more = ((per_byte[(stage, MOST)] - one) / (MOST - 1)
                 if (stage, MOST) in per_byte else 0.0)
-        computed = self._per_device(facts, options["mesh"], stage)["computed"] * devices
-        return computed * max(0.0, one + (accum - 1) * more)
+        return self._computed(facts, options) * max(0.0, one + (accum - 1) * more)
 
     def micro_batch_factor(self, facts: Facts, stage: int) -> Optional[float]:
         """What a further micro-batch costs at ZeRO `stage` as a multiple of
@@ -90,6 +88,31 @@ class TensorSharding:
             return None
         return probe.micro_batch_factor("dtensor", f"zero{stage} accum1",
                                         f"zero{stage} accum{MOST}", MOST)
+
+    def zero_seconds(self, facts: Facts, options: dict) -> Optional[float]:
+        """What the ZeRO stage costs per step beyond stage 0 and beyond its
+        modeled terms (sharded updates and their gathers within a process):
+        its probe's unexplained seconds less stage 0's, per computed byte,
+        scaled to this model; None without the probes."""
+        stage = options["zero_stage"]
+        if stage == 0 or facts.calibration.probe is None:
+            return None
+        variants = self.probes(facts.host.devices)
+        found = [probe_time_residual(facts, self, "dtensor", f"zero{s} accum1",
+                                     variants[f"zero{s} accum1"])
+                 if f"zero{s} accum1" in variants else None for s in (0, stage)]
+        if None in found:
+            return None
+        devices = facts.host.devices
+        mesh = f"batch:{devices},model:1"
+        probe = self._computed(dataclasses.replace(facts, model=facts.calibration.probe.model),
+                               {"mesh": mesh})
+        return (found[1] - found[0]) * self._computed(facts, options) / probe
+
+    def _computed(self, facts: Facts, options: dict) -> float:
+        """The bytes this process's devices compute with (each device's share
+        of the split variables)."""
+        return self._per_device(facts, options["mesh"], 0)["computed"] * facts.host.devices
 
     def candidates(self, facts: Facts):
         """Every mesh of this process's devices (times the cluster's processes)
@@ -176,6 +199,10 @@ class TensorSharding:
         if stage >= 3:   # each layer gathered twice per step (half the bytes of an all-reduce each)
             time["parameter gathers (ZeRO-3)"] = all_reduce_seconds(
                 facts, facts.model.param_bytes / model_axis, batch_axis, local=not batch_across)
+        probed = self.zero_seconds(facts, options)
+        if probed is not None:   # at most taking back ZeRO-3's second forward pass
+            time["ZeRO beyond its terms (probed)"] = max(
+                -time.get("second forward pass (ZeRO-3)", 0.0), probed)
         if model_axis > 1:   # split layers' outputs (and their gradients) summed over `model`
             time["tensor-parallel exchanges"] = all_reduce_seconds(
                 facts, facts.activation_bytes(facts.global_batch / batch_axis, precision),
