@@ -181,34 +181,15 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
           work_dir: Optional[str], timeout: float) -> Optional[Probe]:
     """The probe model on one device (at one micro-batch and at each number
     a probe runs) and under each engine's probe options: each run's peak and
-    examples/s. `wanted`: engine name -> {variant: options}. None if nothing is wanted.
-    Cached per host, versions and optimizer (the slots' temporaries are the
+    examples/s. `wanted`: engine name -> {variant: options}. None if nothing
+    is wanted. Cached per host, versions and optimizer (the slots' temporaries are the
     optimizer's)."""
     if not wanted:
         return None
-    from tfdist.config import DataConfig, ModelConfig, TrainConfig
     from tfdist.data.inputs import of_run as inputs_of_run
-    from tfdist.planner import profile, search as search_lib
-    # A model whose state is large beside the runtime (16 MiB of parameters),
-    # on synthetic data, with the run's optimizer (an update's temporaries are
-    # its own), the loops of the tiny runs.
-    probe_config = RunConfig(
-        model=ModelConfig(name="mlp", width=1024, depth=2), data=DataConfig(synthetic=True),
-        optimizer=config.optimizer,
-        train=TrainConfig(global_batch_size=32, train_steps=200, steps_per_loop=100,
-                          jit_compile="off"))
+    from tfdist.planner import profile
+    probe_config, runs = _probe_runs(wanted, config)
     optimizer = [f for f in as_flags(probe_config) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
-    runs = {strategies.REFERENCE: search_lib.apply(probe_config, strategies.REFERENCE,
-                                                   {"virtual_devices": 1})}
-    for engine, variants in wanted.items():
-        for variant, options in variants.items():
-            runs[f"{engine} {variant}"] = search_lib.apply(probe_config, engine, options)
-    # One device at each number of micro-batches a probe runs: what a
-    # further micro-batch costs there, which an engine's costs are a multiple of.
-    for accum in sorted({o.get("accum_steps", 1) for v in wanted.values() for o in v.values()}
-                        - {1}):
-        runs[f"{strategies.REFERENCE} accum{accum}"] = search_lib.apply(
-            probe_config, strategies.REFERENCE, {"virtual_devices": 1, "accum_steps": accum})
     key = _cache_key(devices) + "|probe|" + " ".join(sorted(optimizer))
     cache = _read_cache()
     found = dict(cache.get(key, {}))
@@ -235,6 +216,32 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
                  peaks={name: r["peak"] for name, r in found.items()},
                  rates={name: r["rate"] for name, r in found.items()},
                  reference_rates={accum: r["rate"] for accum, r in reference.items()})
+
+
+def _probe_runs(wanted: dict, config: RunConfig) -> tuple:
+    """(The probe's RunConfig, name -> the RunConfig of each probe run)."""
+    from tfdist.config import DataConfig, ModelConfig, TrainConfig
+    from tfdist.planner import search as search_lib
+    # A model whose state is large beside the runtime (16 MiB of parameters),
+    # on synthetic data, with the run's optimizer (an update's temporaries are
+    # its own), the loops of the tiny runs.
+    probe_config = RunConfig(
+        model=ModelConfig(name="mlp", width=1024, depth=2), data=DataConfig(synthetic=True),
+        optimizer=config.optimizer,
+        train=TrainConfig(global_batch_size=32, train_steps=200, steps_per_loop=100,
+                          jit_compile="off"))
+    runs = {strategies.REFERENCE: search_lib.apply(probe_config, strategies.REFERENCE,
+                                                   {"virtual_devices": 1})}
+    for engine, variants in wanted.items():
+        for variant, options in variants.items():
+            runs[f"{engine} {variant}"] = search_lib.apply(probe_config, engine, options)
+    # One device at each number of micro-batches a probe runs: what a
+    # further micro-batch costs there, which an engine's costs are a multiple of.
+    for accum in sorted({o.get("accum_steps", 1) for v in wanted.values() for o in v.values()}
+                        - {1}):
+        runs[f"{strategies.REFERENCE} accum{accum}"] = search_lib.apply(
+            probe_config, strategies.REFERENCE, {"virtual_devices": 1, "accum_steps": accum})
+    return probe_config, runs
 
 
 # The probe's flags its cache entry is keyed by (what an update holds).

@@ -43,7 +43,8 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
         layout_rules = models.layout_rules(config.model)
     by_op = flops_lib.try_forward_flops_by_op(model, lambda: example)
     return ModelFacts(
-        name=model.name, buffered_example_bytes=_buffered_example_bytes(inputs), variables=variables, slot_ratio=slots / trainable,
+        name=model.name, buffered_example_bytes=_buffered_example_bytes(inputs),
+        variables=variables, slot_ratio=slots / trainable,
         flops_per_example=(flops_lib.TRAINING_PASSES * sum(by_op.values()) if by_op else None),
         splits=_splits(model, example),
         layout_rules=sharding.as_layout_rules(layout_rules) if layout_rules else None,
