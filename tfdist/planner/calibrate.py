@@ -182,8 +182,8 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     """The probe model on one device (at one micro-batch and at each number
     a probe runs) and under each engine's probe options: each run's peak and
     examples/s. `wanted`: engine name -> {variant: options}. None if nothing
-    is wanted. Cached per host, versions and optimizer (the slots' temporaries are the
-    optimizer's)."""
+    is wanted. Cached per host, versions and optimizer (the slots'
+    temporaries are the optimizer's)."""
     if not wanted:
         return None
     from tfdist.data.inputs import of_run as inputs_of_run
