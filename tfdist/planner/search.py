@@ -6,9 +6,9 @@ measurement.
 
 Which candidates are tried first: the best predicted of each engine (an
 engine's predictions are off by a factor of its own more than anything,
-and one trial per engine measures it) that could still win, then, with
-every engine's predictions scaled by what its trial measured, the best not
-yet tried, while one is predicted close enough to the best measured to win.
+and one trial per engine measures it), then, with every engine's
+predictions scaled by what its trial measured, the best not yet tried,
+while one is predicted close enough to the best measured to win.
 """
 
 from __future__ import annotations
@@ -236,10 +236,10 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
     lossless = next((c for c in order if c.lossless), None)
     if lossless is not None and lossless not in firsts:
         firsts.insert(0, lossless)   # what a lossy pick must beat (`winner`)
-    tried, passed = 0, set()
+    tried = 0
     queue = firsts
     while tried < search.trials and search.left() > 0:
-        pending = [c for c in queue if c.trial is None and id(c) not in passed]
+        pending = [c for c in queue if c.trial is None]
         if not pending:
             _refine(candidates, search.facts.global_batch)
             pending = [c for c in rank(candidates) if c.trial is None]
@@ -247,10 +247,6 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
                 break
             queue = pending
         candidate = pending[0]
-        if queue is firsts and candidate is not lossless and not _could_win(
-                candidate, candidates, search):
-            passed.add(id(candidate))
-            continue
         measure(search, candidate, tried + 1)
         tried += 1
     _refine(candidates, search.facts.global_batch)
@@ -296,34 +292,6 @@ def _worth_a_trial(candidate: Candidate, candidates: list, search: Search) -> bo
     search.log(f"no trial left is predicted within {1 - WORTH:.0%} of the best measured "
                f"({best:.0f} examples/s; next {candidate.describe()}: "
                f"{candidate.predicted_rate(batch):.0f} predicted): the search ends")
-    return False
-
-
-# How far in its favour an engine not yet tried may be off (measured /
-# predicted step time): first trials measured 0.42-1.29 of their
-# predictions (2-core Xeon with AMX: mlp, residual and wide_deep).
-FAVOURABLE = 1 / 1.5
-
-
-def _could_win(candidate: Candidate, candidates: list, search: Search) -> bool:
-    """Whether an engine's (group's) first trial could win: unless its
-    prediction, even if off in its favour by FAVOURABLE or by the most any
-    group's trials were, stays below WORTH of the best measured."""
-    batch = search.facts.global_batch
-    measured = [c for c in candidates if c.measured_rate()]
-    if not measured:
-        return True
-    best = max(c.expected_rate(batch) for c in measured)
-    favourable = min(FAVOURABLE, *(batch / c.measured_rate()
-                                   / (c.trial_estimate or c.estimate).step_seconds
-                                   for c in measured))
-    bound = candidate.predicted_rate(batch) / favourable
-    if bound >= WORTH * best:
-        return True
-    search.log(f"no trial for {candidate.describe()}: predicted "
-               f"{candidate.predicted_rate(batch):.0f} examples/s, at most {bound:.0f} if off "
-               f"as far in its favour as any engine may be, below the best measured "
-               f"({best:.0f})")
     return False
 
 
