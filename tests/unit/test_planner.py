@@ -423,18 +423,38 @@ def test_each_family_runtime_is_measured_with_its_own_processes(tmp_path, monkey
     assert found == {"default": 5e8, "multi_worker": 6e8}
 
 
-def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts):
-    """Measured (the same batch as one and as two micro-batches) it replaces
-    the step's fixed cost, which also holds the once-per-step update; the
-    control: unmeasured, the fixed cost stands in."""
+def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monkeypatch):
+    """Calibration runs the larger batch whole and in 8 micro-batches, with
+    and without XLA; each further one costs a seventh of the difference, per
+    XLA setting, instead of the step's fixed cost (which also holds the
+    once-per-step update); the control: unmeasured, the fixed cost stands in."""
+    from tfdist.planner import calibrate
+    seconds = {("off", "1"): 0.010, ("off", "8"): 0.017, ("on", "1"): 0.006, ("on", "8"): 0.020}
+
+    def run(number, count, runs, *rest):
+        records = []
+        for flags in runs:
+            values = dict(f[2:].split("=", 1) for f in flags if "=" in f)
+            step = seconds[(values["jit_compile"], values.get("accum_steps", "1"))]
+            batch = int(values["global_batch_size"])
+            records.append({"examples_per_sec": batch / step, "peak_rss_bytes": 2**29})
+        return records
+    monkeypatch.setattr(calibrate, "_calibration_run", run)
+    calibration = calibrate.measure(run_config(batch=32), 4, False, {}, lambda line: None,
+                                    None, 60.0, lambda examples: 0.0)
+    assert calibration.micro_batch_seconds == pytest.approx(0.001)
+    assert calibration.micro_batch_seconds_xla == pytest.approx(0.002)
     cost = search.cost_model(strategies.engine("default"))
-    options = {"accum_steps": 4, "precision": "float32", "jit_compile": "off"}
     measured = dataclasses.replace(facts, calibration=dataclasses.replace(
-        facts.calibration, micro_batch_seconds=0.0005))
-    assert cost.estimate(measured, options).time["micro-batch overhead"] == pytest.approx(
-        3 * 0.0005)
-    assert cost.estimate(facts, options).time["micro-batch overhead"] == pytest.approx(
-        3 * facts.step_overhead())
+        facts.calibration, micro_batch_seconds=0.001, micro_batch_seconds_xla=0.002))
+
+    def overhead(f, jit):
+        return cost.estimate(f, {"accum_steps": 4, "precision": "float32",
+                                 "jit_compile": jit}).time["micro-batch overhead"]
+
+    assert overhead(measured, "off") == pytest.approx(3 * 0.001)
+    assert overhead(measured, "on") == pytest.approx(3 * 0.002)
+    assert overhead(facts, "on") == pytest.approx(3 * facts.step_overhead())
 
 
 def test_dtensor_micro_batches_cost_what_its_probes_measured_beyond_one_devices(facts):

@@ -48,8 +48,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
             log: Callable, work_dir: Optional[str], timeout: float,
             buffer_bytes: Callable[[float], float]) -> Calibration:
     """One-device processes: float32 at a quarter and at half the global
-    batch (the half again as two micro-batches), half with XLA (a process of
-    its own: its peak is its own), and,
+    batch (the half again in micro-batches), half with XLA (a process of its
+    own: its peak is its own; again in micro-batches), and,
     if `lossy`, mixed_bfloat16 at half (without, then with XLA, whose rate
     alone is read). `buffer_bytes(examples read)`: the shuffle buffer's
     bytes, taken off each peak (a run of the length asked for fills it
@@ -66,7 +66,14 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
     def peak(record, size):
         return record["peak_rss_bytes"] - buffer_bytes(2 * steps_per_loop * size)
 
-    (first,), (second, *halves), (compiled,) = results[:3]
+    (first,), (second, *split), (compiled, *compiled_split) = results[:3]
+    parts = _parts(large)
+
+    def further(whole, in_parts):   # seconds each further micro-batch adds
+        return (max(0.0, (large / in_parts[0]["examples_per_sec"]
+                          - large / whole["examples_per_sec"]) / (parts - 1))
+                if in_parts else None)
+
     rates = {("float32", "off"): second["examples_per_sec"],
              ("float32", "on"): compiled["examples_per_sec"]}
     peaks16 = None
@@ -80,8 +87,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         xla_bytes=max(0, compiled["peak_rss_bytes"] - second["peak_rss_bytes"]),
         times=((small, small / first["examples_per_sec"]),
                (large, large / second["examples_per_sec"])),
-        micro_batch_seconds=(max(0.0, large / halves[0]["examples_per_sec"]
-                                 - large / second["examples_per_sec"]) if halves else None))
+        micro_batch_seconds=further(second, split),
+        micro_batch_seconds_xla=further(compiled, compiled_split))
 
 
 def _processes(config: RunConfig, steps_per_loop: int, small: int, large: int,
@@ -95,15 +102,25 @@ def _processes(config: RunConfig, steps_per_loop: int, small: int, large: int,
                                       global_batch_size=size, accum_steps=accum))
         return as_flags(trial_config(one, steps_per_loop))
 
-    # The larger batch again as two micro-batches, in the same process (its
-    # rate alone is read): what a further micro-batch costs.
-    split = [run("float32", "off", large, 2)] if large % 2 == 0 else []
-    processes = [[run("float32", "off", small)], [run("float32", "off", large), *split],
-                 [run("float32", "on", large)]]
+    # The larger batch again in micro-batches, in the same process (its rate
+    # alone is read): what a further micro-batch costs, without and with XLA.
+    parts = _parts(large)
+    split = {jit: [run("float32", jit, large, parts)] if parts > 1 else []
+             for jit in ("off", "on")}
+    processes = [[run("float32", "off", small)], [run("float32", "off", large), *split["off"]],
+                 [run("float32", "on", large), *split["on"]]]
     if lossy:
         processes.append([run("mixed_bfloat16", "off", large),
                           run("mixed_bfloat16", "on", large)])
     return processes
+
+
+def _parts(batch: int) -> int:
+    """The micro-batches calibration splits `batch` into: the most a search
+    tries (8; a further micro-batch's cost grows with their number: on a
+    2-core Xeon, one device's step was as fast in 2 as whole and 1.5x slower
+    in 8) that divide it, else 1 (not measured)."""
+    return next((k for k in (8, 4, 2) if batch % k == 0), 1)
 
 
 def _calibration_run(number, count, runs, functions, log, work_dir, timeout) -> list:

@@ -148,9 +148,10 @@ class Calibration:
     peaks16: Optional[tuple] = None
     times: tuple = ()
     xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
-    # What one further micro-batch added to a step (one device, no XLA), or
-    # None if not measured.
+    # What one further micro-batch added to a step (one device, without and
+    # with XLA), or None if not measured.
     micro_batch_seconds: Optional[float] = None
+    micro_batch_seconds_xla: Optional[float] = None
     probe: Optional[Probe] = None
 
     def slope(self) -> float:
@@ -237,12 +238,14 @@ class Facts:
         rate = self.rate(precision, jit)
         return examples / rate if rate else math.inf
 
-    def micro_batch_overhead(self) -> float:
+    def micro_batch_overhead(self, jit: str = "off") -> float:
         """Seconds each micro-batch beyond the first adds to a step: measured
-        (the same batch as one and as two micro-batches on one device), else
-        the step's fixed cost (`step_overhead`), which also holds the update
-        and the host's loop, made once per step."""
-        measured = self.calibration.micro_batch_seconds
+        (the same batch whole and in up to 8 micro-batches on one device,
+        with and without XLA), else the step's fixed cost (`step_overhead`),
+        which also holds the update and the host's loop, made once per step."""
+        measured = (self.calibration.micro_batch_seconds_xla if jit == "on" else None)
+        if measured is None:
+            measured = self.calibration.micro_batch_seconds
         return self.step_overhead() if measured is None else measured
 
     def step_overhead(self) -> float:

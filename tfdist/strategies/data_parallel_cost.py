@@ -35,9 +35,11 @@ def _accumulator(options: dict) -> float:
 
 
 def _overhead(facts: Facts, options: dict, launches: int = 1) -> dict:
-    """Each micro-batch beyond the first costs the step's fixed overhead again."""
+    """Each micro-batch beyond the first costs what one device measured it to
+    (with the candidate's XLA setting)."""
     extra = (options["accum_steps"] - 1) * launches
-    return {"micro-batch overhead": extra * facts.micro_batch_overhead()} if extra else {}
+    return ({"micro-batch overhead": extra * facts.micro_batch_overhead(options["jit_compile"])}
+            if extra else {})
 
 
 class OneDevice:
