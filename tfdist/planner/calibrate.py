@@ -49,9 +49,9 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
             buffer_bytes: Callable[[float], float]) -> Calibration:
     """One-device processes: float32 at a quarter and at half the global
     batch (the half again in micro-batches), half with XLA (a process of its
-    own: its peak is its own; again in micro-batches), and,
-    if `lossy`, mixed_bfloat16 at half (without, then with XLA, whose rate
-    alone is read). `buffer_bytes(examples read)`: the shuffle buffer's
+    own: its peak is its own; again in micro-batches), and, if `lossy`,
+    mixed_bfloat16 at half (without, then with XLA, whose rate alone is
+    read). `buffer_bytes(examples read)`: the shuffle buffer's
     bytes, taken off each peak (a run of the length asked for fills it
     further, which the estimates add back)."""
     batch = config.train.global_batch_size
