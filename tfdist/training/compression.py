@@ -11,7 +11,7 @@ every replica.
   `Compression.fp16`; works under every engine.
 - `powersgd` (`PowerSGD`, Vogels et al. 2019): each matrix's sum sent as
   rank-r factors P [n, r] and Q [m, r] (a tensor of more than 2 dimensions
-  as the most nearly square matrix, `_matrix_shape`) in two all-reduces,
+  as the most nearly square matrix, `matrices.matrix_shape`) in two all-reduces,
   with error feedback and Q warm-started from the last update.
 - `topk` (`TopK`, deep gradient compression, Lin et al. 2018): each replica
   sends the largest `fraction` of each matrix's entries (values and indices,
@@ -97,11 +97,6 @@ def bytes_of(variable) -> int:
     return _elements(variable) * tf.as_dtype(variable.dtype).size
 
 
-def _matrix_shape(variable):
-    """`matrices.matrix_shape` of a variable."""
-    return matrix_shape(variable.shape)
-
-
 def _name(variable) -> str:
     return getattr(variable, "path", None) or variable.name
 
@@ -120,8 +115,8 @@ class StatefulExchange:
 
     def __init__(self, variables):
         self.variables = list(variables)
-        self.compressed = [i for i, v in enumerate(self.variables) if _matrix_shape(v)]
-        self.dense = [i for i, v in enumerate(self.variables) if not _matrix_shape(v)]
+        self.compressed = [i for i, v in enumerate(self.variables) if matrix_shape(v.shape)]
+        self.dense = [i for i, v in enumerate(self.variables) if not matrix_shape(v.shape)]
         self.state_variables: list = []
 
     def bytes_per_update(self, variables) -> int:
@@ -172,7 +167,7 @@ class PowerSGD(StatefulExchange):
         self.rank, self.seed, self.warmup_updates = rank, seed, warmup_updates
         self._compressing = not warmup_updates
         for i in self.compressed:
-            n, m = _matrix_shape(self.variables[i])
+            n, m = matrix_shape(self.variables[i].shape)
             if rank > min(n, m):
                 raise UsageError(
                     f"--powersgd_rank={rank} is larger than the smaller dimension "
@@ -181,7 +176,7 @@ class PowerSGD(StatefulExchange):
                     f"--powersgd_rank <= {min(n, m)}")
 
     def _compressed_bytes(self) -> int:
-        return sum(sum(_matrix_shape(self.variables[i])) * self.rank *
+        return sum(sum(matrix_shape(self.variables[i].shape)) * self.rank *
                    tf.as_dtype(self.variables[i].dtype).size for i in self.compressed)
 
     def boundaries(self) -> list:
@@ -195,7 +190,7 @@ class PowerSGD(StatefulExchange):
         self.errors, self.qs = {}, {}
         for i in self.compressed:
             variable = self.variables[i]
-            n, m = _matrix_shape(variable)
+            n, m = matrix_shape(variable.shape)
             dtype = tf.as_dtype(variable.dtype)
             self.errors[i] = state.replica_variable(
                 tf.zeros([n, m], dtype), name=f"powersgd_error_{i}")
@@ -211,7 +206,7 @@ class PowerSGD(StatefulExchange):
         if not self._compressing:   # the warm-up: one plain sum
             summed = reduce(list(grads) + list(extra) + [counters])
             return summed[:len(grads)], summed[len(grads):-1], summed[-1]
-        matrices = {i: tf.reshape(grads[i], _matrix_shape(self.variables[i])) +
+        matrices = {i: tf.reshape(grads[i], matrix_shape(self.variables[i].shape)) +
                     self.errors[i].read_value() for i in self.compressed}
         qs = {i: self.qs[i].read_value() for i in self.compressed}
         ps = [tf.matmul(matrices[i], qs[i]) for i in self.compressed]
