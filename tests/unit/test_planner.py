@@ -173,13 +173,53 @@ def test_no_bf16_calibration_where_bf16_matmuls_would_abort(monkeypatch):
     for refusal, runs in (("capped", 3), (None, 4)):
         started = []
         monkeypatch.setattr(hardware, "bf16_refusal", lambda r=refusal: r)
-        monkeypatch.setattr(calibrate, "_calibration_run",
-                            lambda number, count, runs, *a: started.append(runs)
-                            or [record] * len(runs))
+        monkeypatch.setattr(calibrate.trials_lib, "run",
+                            lambda runs, **kw: started.append(runs) or _result([record] * len(runs)))
         calibration = calibrate.measure(run_config(batch=32), 4, True, {}, lambda line: None,
                                         None, 60.0, lambda examples: 0.0)
         assert len(started) == runs
         assert (("mixed_bfloat16", "on") in calibration.rates) == (refusal is None)
+
+
+def _result(records: list):
+    return search.trials_lib.TrialResult(ok=True, reason="", seconds=5.0, runs=records,
+                                         peaks=[records[-1]["peak_rss_bytes"]])
+
+
+def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(facts,
+                                                                            monkeypatch):
+    """Calibration's runs at the whole batch are one-device candidates: they
+    count as those candidates' trials (a run's peak only where it was its
+    process's first), and the search starts with the other engines; the
+    control: without them, its first trial is one device's."""
+    from tfdist.planner import calibrate
+    flags_seen = []
+
+    def run(runs, **kw):
+        flags_seen.extend(runs)
+        return _result([{"examples_per_sec": 1000.0 * (i + 1), "peak_rss_bytes": 2**29 + i}
+                        for i in range(len(runs))])
+    monkeypatch.setattr(calibrate.trials_lib, "run", run)
+    calibration = calibrate.measure(run_config(batch=32), 4, False, {}, lambda line: None,
+                                    None, 60.0, lambda examples: 0.0)
+    assert {(r.options["jit_compile"], r.options["accum_steps"], r.peak)
+            for r in calibration.runs} == {("off", 1, 2**29), ("off", 8, None),
+                                           ("on", 1, 2**29), ("on", 8, None)}
+    assert all("--virtual_devices=1" in f and "--strategy=default" in f for f in flags_seen)
+
+    def firsts(runs):
+        measured = dataclasses.replace(facts, calibration=dataclasses.replace(
+            facts.calibration, runs=runs))
+        candidates = search.enumerate_candidates(measured, False)
+        search.adopt(candidates, measured)
+        return [c for c in candidates if c.calibrated], search.first_trials(candidates)
+
+    adopted, first = firsts(calibration.runs)
+    assert len(adopted) == 4 and all(c.engine == "default" for c in adopted)
+    assert {c.measured_peak() for c in adopted} == {2**29, None}
+    assert first and "default" not in {c.engine for c in first}
+    adopted, first = firsts([])
+    assert not adopted and "default" in {c.engine for c in first}
 
 
 def _probed(facts, per_byte: dict):
@@ -431,15 +471,15 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monk
     from tfdist.planner import calibrate
     seconds = {("off", "1"): 0.010, ("off", "8"): 0.017, ("on", "1"): 0.006, ("on", "8"): 0.020}
 
-    def run(number, count, runs, *rest):
+    def run(runs, **kw):
         records = []
         for flags in runs:
             values = dict(f[2:].split("=", 1) for f in flags if "=" in f)
             step = seconds[(values["jit_compile"], values.get("accum_steps", "1"))]
             batch = int(values["global_batch_size"])
             records.append({"examples_per_sec": batch / step, "peak_rss_bytes": 2**29})
-        return records
-    monkeypatch.setattr(calibrate, "_calibration_run", run)
+        return _result(records)
+    monkeypatch.setattr(calibrate.trials_lib, "run", run)
     calibration = calibrate.measure(run_config(batch=32), 4, False, {}, lambda line: None,
                                     None, 60.0, lambda examples: 0.0)
     assert calibration.micro_batch_seconds == pytest.approx(0.001)

@@ -72,7 +72,9 @@ class Plan:
                 "measured_examples_per_sec": rate,
                 "expected_examples_per_sec": c.expected_rate(batch),
                 "mfu": self._mfu(c, rate),
-                "status": ("chosen" if c is self.winner else "tried" if c.trial and c.trial.ok
+                "status": ("chosen" if c is self.winner
+                           else "measured in calibration" if c.calibrated
+                           else "tried" if c.trial and c.trial.ok
                            else f"failed: {c.trial.reason}" if c.trial
                            else f"dropped: {c.dropped}" if c.dropped else "not tried"),
             })
@@ -222,6 +224,7 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
                                       functions, allow_lossy, search_seconds, log, scratch)
         started += once   # a host's own measurements, made once, are not the search's
         candidates = search_lib.enumerate_candidates(facts, allow_lossy)
+        search_lib.adopt(candidates, facts)
         if not search_lib.rank(candidates):
             raise search_lib.too_small(candidates, host.memory_budget)
         log(f"{len(candidates)} candidates, {len(search_lib.rank(candidates))} predicted to fit;"

@@ -18,7 +18,7 @@ from tfdist.config import RunConfig, as_flags
 from tfdist.errors import UsageError
 from tfdist.observe import hardware
 from tfdist.planner import trials as trials_lib
-from tfdist.planner.costs import Calibration, Probe
+from tfdist.planner.costs import Calibration, OneDeviceRun, Probe
 
 CACHE_VERSION = 4
 # A loop of 100 steps, twice: an engine's resident memory grows over its first
@@ -47,26 +47,30 @@ def trial_config(config: RunConfig, steps_per_loop: int) -> RunConfig:
 def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict,
             log: Callable, work_dir: Optional[str], timeout: float,
             buffer_bytes: Callable[[float], float]) -> Calibration:
-    """One-device processes: float32 at a quarter and at half the global
-    batch (the half again in micro-batches), half with XLA (a process of its
+    """One-device processes: float32 at a quarter of the global batch and at
+    the whole (again in micro-batches), the whole with XLA (a process of its
     own: its peak is its own; again in micro-batches), and, if `lossy`,
-    mixed_bfloat16 at half (without, then with XLA, whose rate alone is
-    read). `buffer_bytes(examples read)`: the shuffle buffer's
-    bytes, taken off each peak (a run of the length asked for fills it
-    further, which the estimates add back)."""
+    mixed_bfloat16 at the whole (without, then with XLA). At the whole
+    batch these runs are the one-device candidates' own: each is kept in
+    `Calibration.runs` (its peak where it was its process's first run), and
+    the search does not try them again. `buffer_bytes(examples read)`: the
+    shuffle buffer's bytes, taken off each peak (a run of the length asked
+    for fills it further, which the estimates add back)."""
     batch = config.train.global_batch_size
-    small, large = max(1, batch // 4), max(2, batch // 2)
+    small, large = max(1, batch // 4), max(2, batch)
     if lossy and hardware.bf16_refusal():   # its runs would be refused: no bf16 candidates
         log(f"no mixed_bfloat16 candidates: {hardware.bf16_refusal()}")
         lossy = False
-    processes = _processes(config, steps_per_loop, small, large, lossy)
-    results = [_calibration_run(number, len(processes), runs, functions, log, work_dir,
-                                timeout) for number, runs in enumerate(processes, 1)]
+    processes = _processes(small, large, lossy)
+    results = []
+    for number, runs in enumerate(processes, 1):
+        results.append(_calibration_run(number, len(processes), config, steps_per_loop, runs,
+                                        functions, log, work_dir, timeout))
 
     def peak(record, size):
         return record["peak_rss_bytes"] - buffer_bytes(2 * steps_per_loop * size)
 
-    (first,), (second, *split), (compiled, *compiled_split) = results[:3]
+    (first,), (second, *split), (compiled, *compiled_split) = [r.runs for r in results[:3]]
     parts = _parts(large)
 
     def further(whole, in_parts):   # seconds each further micro-batch adds
@@ -78,9 +82,9 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
              ("float32", "on"): compiled["examples_per_sec"]}
     peaks16 = None
     if lossy:
-        rates[("mixed_bfloat16", "off")] = results[3][0]["examples_per_sec"]
-        rates[("mixed_bfloat16", "on")] = results[3][1]["examples_per_sec"]
-        peaks16 = (large, peak(results[3][0], large))
+        rates[("mixed_bfloat16", "off")] = results[3].runs[0]["examples_per_sec"]
+        rates[("mixed_bfloat16", "on")] = results[3].runs[1]["examples_per_sec"]
+        peaks16 = (large, peak(results[3].runs[0], large))
     return Calibration(
         points=((small, peak(first, small)), (large, peak(second, large))),
         rates=rates, baselines={}, peaks16=peaks16,
@@ -88,19 +92,30 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         times=((small, small / first["examples_per_sec"]),
                (large, large / second["examples_per_sec"])),
         micro_batch_seconds=further(second, split),
-        micro_batch_seconds_xla=further(compiled, compiled_split))
+        micro_batch_seconds_xla=further(compiled, compiled_split),
+        runs=(_one_device_runs(processes[1:], results[1:], 2 * steps_per_loop * large)
+              if large == batch else []))
 
 
-def _processes(config: RunConfig, steps_per_loop: int, small: int, large: int,
-               lossy: bool) -> list:
-    """The calibration's processes, each a list of runs (flags) in order."""
+def _one_device_runs(processes: list, results: list, reads: float) -> list:
+    """The calibration's runs at the whole batch as the one-device
+    candidates' measurements."""
+    found = []
+    for runs, result in zip(processes, results):
+        for index, (options, record) in enumerate(zip(runs, result.runs)):
+            # A later run's peak holds what the earlier left: not its own.
+            found.append(OneDeviceRun(
+                options={k: v for k, v in options.items() if k != "global_batch_size"},
+                record=record, peak=record["peak_rss_bytes"] if index == 0 else None,
+                seconds=result.seconds, reads=reads))
+    return found
+
+
+def _processes(small: int, large: int, lossy: bool) -> list:
+    """The calibration's processes, each a list of runs (their options) in order."""
     def run(precision, jit, size, accum=1):
-        one = config.replace(
-            strategy=dataclasses.replace(config.strategy, name=strategies.REFERENCE,
-                                         virtual_devices=1),
-            train=dataclasses.replace(config.train, precision=precision, jit_compile=jit,
-                                      global_batch_size=size, accum_steps=accum))
-        return as_flags(trial_config(one, steps_per_loop))
+        return {"precision": precision, "jit_compile": jit, "accum_steps": accum,
+                "global_batch_size": size}
 
     # The larger batch again in micro-batches, in the same process (its rate
     # alone is read): what a further micro-batch costs, without and with XLA.
@@ -115,6 +130,15 @@ def _processes(config: RunConfig, steps_per_loop: int, small: int, large: int,
     return processes
 
 
+def _flags(config: RunConfig, steps_per_loop: int, options: dict) -> list:
+    """A calibration run's tfdist-train flags: `config` on one device with `options`."""
+    one = config.replace(
+        strategy=dataclasses.replace(config.strategy, name=strategies.REFERENCE,
+                                     virtual_devices=1),
+        train=dataclasses.replace(config.train, **options))
+    return as_flags(trial_config(one, steps_per_loop))
+
+
 def _parts(batch: int) -> int:
     """The micro-batches calibration splits `batch` into: the most a search
     tries (8; a further micro-batch's cost grows with their number: on a
@@ -123,20 +147,21 @@ def _parts(batch: int) -> int:
     return next((k for k in (8, 4, 2) if batch % k == 0), 1)
 
 
-def _calibration_run(number, count, runs, functions, log, work_dir, timeout) -> list:
+def _calibration_run(number, count, config, steps_per_loop, runs, functions, log, work_dir,
+                     timeout) -> trials_lib.TrialResult:
     log(f"calibration {number}/{count}: one device, " + ", ".join(_describe(r) for r in runs))
-    result = trials_lib.run(runs, functions=functions, timeout=timeout, work_dir=work_dir)
+    result = trials_lib.run([_flags(config, steps_per_loop, r) for r in runs],
+                            functions=functions, timeout=timeout, work_dir=work_dir)
     if not result.ok:
         raise UsageError(f"the model cannot be measured on one device: {result.reason}")
-    return result.runs
+    return result
 
 
-def _describe(flags: list) -> str:
-    values = dict(f[2:].split("=", 1) for f in flags if f.startswith("--") and "=" in f)
-    accum = values.get("accum_steps", "1")
-    return (f"{values.get('precision')} batch {values.get('global_batch_size')} "
-            f"XLA {values.get('jit_compile')}" + (f" in {accum} micro-batches"
-                                                  if accum != "1" else ""))
+def _describe(options: dict) -> str:
+    accum = options["accum_steps"]
+    return (f"{options['precision']} batch {options['global_batch_size']} "
+            f"XLA {options['jit_compile']}" + (f" in {accum} micro-batches" if accum != 1
+                                               else ""))
 
 
 # -- each engine family's runtime --------------------------------------------------

@@ -132,6 +132,17 @@ class Probe:
 
 
 @dataclasses.dataclass
+class OneDeviceRun:
+    """A calibration run at the whole batch: a one-device candidate measured."""
+
+    options: dict                # precision, jit_compile, accum_steps
+    record: dict                 # its trial record (examples/s, peak so far)
+    peak: Optional[float]        # its own peak, where it was its process's first run
+    seconds: float               # its process's
+    reads: float                 # examples it read (its shuffle buffer's filling)
+
+
+@dataclasses.dataclass
 class Calibration:
     """What was measured for this model on this host (`calibrate.py`).
 
@@ -140,7 +151,8 @@ class Calibration:
     measured; `rates`: (precision, jit) -> examples/s at the larger batch;
     `baselines`: engine family -> the peak of a tiny model under it (what
     the family's runtime costs beyond the one-device engine's); `times`:
-    (batch, seconds per step) of the two float32 runs."""
+    (batch, seconds per step) of the two float32 runs; `runs`: those at the
+    whole batch, the one-device candidates' measurements."""
 
     points: tuple                # (batch, peak less its shuffle buffer's bytes)
     rates: dict
@@ -153,6 +165,7 @@ class Calibration:
     micro_batch_seconds: Optional[float] = None
     micro_batch_seconds_xla: Optional[float] = None
     probe: Optional[Probe] = None
+    runs: list = dataclasses.field(default_factory=list)
 
     def slope(self) -> float:
         """Activation bytes per example (float32), from the two batch sizes."""

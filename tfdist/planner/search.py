@@ -42,6 +42,7 @@ class Candidate:
     # Its estimate for its trial's length (a short run fills less of the
     # shuffle buffer than the run asked for): what its trial's peak is compared with.
     trial_estimate: Optional[Estimate] = None
+    calibrated: bool = False      # its trial was a calibration run (`adopt`)
 
     def expected_peak(self) -> float:
         """The predicted peak its measurement is compared with (its trial's
@@ -225,23 +226,17 @@ def rank(candidates: list) -> list:
 def run(search: Search, candidates: list) -> Optional[Candidate]:
     """Trials of the best candidates; returns the winner (best measured
     examples/s), or None if every trial failed."""
-    order = rank(candidates)
-    if not order:
+    batch = search.facts.global_batch
+    _refine(candidates, batch)
+    if not rank(candidates):
         return None
-    firsts, seen = [], set()
-    for candidate in order:      # the best predicted of each engine (and compression) first
-        if candidate.group not in seen:
-            seen.add(candidate.group)
-            firsts.append(candidate)
-    lossless = next((c for c in order if c.lossless), None)
-    if lossless is not None and lossless not in firsts:
-        firsts.insert(0, lossless)   # what a lossy pick must beat (`winner`)
+    firsts = first_trials(candidates)
     tried = 0
     queue = firsts
     while tried < search.trials and search.left() > 0:
         pending = [c for c in queue if c.trial is None]
         if not pending:
-            _refine(candidates, search.facts.global_batch)
+            _refine(candidates, batch)
             pending = [c for c in rank(candidates) if c.trial is None]
             if not pending or not _worth_a_trial(pending[0], candidates, search):
                 break
@@ -249,8 +244,49 @@ def run(search: Search, candidates: list) -> Optional[Candidate]:
         candidate = pending[0]
         measure(search, candidate, tried + 1)
         tried += 1
-    _refine(candidates, search.facts.global_batch)
-    return winner(candidates, search.facts.global_batch)
+    _refine(candidates, batch)
+    return winner(candidates, batch)
+
+
+def first_trials(candidates: list) -> list:
+    """The best predicted of each engine (and compression) not yet measured,
+    the best that keeps the math first where none that does is measured
+    (what a lossy pick must beat, `winner`)."""
+    order = rank(candidates)
+    measured = [c for c in candidates if c.measured_rate()]
+    firsts, seen = [], {c.group for c in measured}
+    for candidate in order:
+        if candidate.group not in seen:
+            seen.add(candidate.group)
+            firsts.append(candidate)
+    lossless = next((c for c in order if c.lossless), None)
+    if (lossless is not None and lossless not in firsts
+            and not any(c.lossless for c in measured)):
+        firsts.insert(0, lossless)
+    return firsts
+
+
+def adopt(candidates: list, facts: Facts) -> None:
+    """The calibration's one-device runs at the whole batch as those
+    candidates' trials (the same engine, options and length): the search
+    does not run them again."""
+    for run in facts.calibration.runs:
+        for c in candidates:
+            if (c.engine == strategies.REFERENCE and not c.dropped and c.trial is None
+                    and all(c.options.get(k) == v for k, v in run.options.items())):
+                c.trial_estimate = _trial_estimate(facts, c, run.reads)
+                c.trial = trials_lib.TrialResult(ok=True, reason="", seconds=run.seconds,
+                                                 runs=[run.record],
+                                                 peaks=[run.peak] if run.peak else [])
+                c.calibrated = True
+
+
+def _trial_estimate(facts: Facts, candidate: Candidate, reads: float) -> Estimate:
+    """`candidate`'s estimate for a trial reading `reads` examples, every
+    process on this host (what a trial runs)."""
+    return cost_model(strategies.engine(candidate.engine)).estimate(
+        dataclasses.replace(facts, examples_read=reads, host=facts.host.one_host()),
+        candidate.options)
 
 
 # A choice that changes the math wins only where it is this much faster than
@@ -303,10 +339,7 @@ def measure(search: Search, candidate: Candidate, number: int) -> None:
     cap = int(search.facts.host.memory_budget) if search.cap else None
     short = search.trial_config(candidate)
     reads = short.train.train_steps * short.train.global_batch_size
-    # A trial runs every process on this host: its prediction is for that.
-    candidate.trial_estimate = cost_model(strategies.engine(candidate.engine)).estimate(
-        dataclasses.replace(search.facts, examples_read=reads,
-                            host=search.facts.host.one_host()), candidate.options)
+    candidate.trial_estimate = _trial_estimate(search.facts, candidate, reads)
     search.log(f"trial {number}/{search.trials}: {candidate.describe()} (predicted "
                f"{candidate.predicted_rate(search.facts.global_batch):.0f} examples/s, "
                f"{candidate.trial_estimate.peak_bytes / GiB:.2f} GiB per process for the "

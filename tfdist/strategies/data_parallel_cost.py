@@ -58,7 +58,7 @@ class OneDevice:
 
     def candidates(self, facts: Facts):
         if facts.host.processes == 1:
-            yield {}
+            yield {"virtual_devices": 1}   # no devices beside it (as calibration runs it)
 
     def estimate(self, facts: Facts, options: dict) -> Estimate:
         batch, precision = facts.global_batch, options["precision"]
