@@ -27,7 +27,7 @@ from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import flops, hardware, logs, peak
 from tfdist.observe import summary as summary_lib
-from tfdist.training import compression, optimizers, xla
+from tfdist.training import batchnorm, compression, optimizers, xla
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
 from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, ServingProcesses,
@@ -365,6 +365,7 @@ def _check_run(config, strategy, dataset_fn, spec):
         require(strategy, ZeroStages, f"--zero_stage={config.strategy.zero}").check_zero(config)
     strategy.check_config(config)
     compression.check_engine(tc, strategy)
+    batchnorm.check(tc, strategy)
     check_batch(config, strategy.num_replicas)
     xla.check(tc.jit_compile, strategy)
     if "bfloat16" in tc.precision and hardware.bf16_refusal():
@@ -424,6 +425,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     convolution_share = flops.convolution_share(by_op)
     jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share,
                             bool(tc.reduce_bucket_mb))
+    jit_level = batchnorm.synchronize(tc, strategy, model, jit_level)
     peak_tflops = peak.precision_peak_tflops(tc.precision, measure=strategy.is_chief) \
         if flops_per_example else None
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,

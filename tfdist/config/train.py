@@ -68,6 +68,14 @@ class TrainConfig:
         help="Micro-batches per update (gradient accumulation); gradients are reduced across "
              "replicas once per update. Under --strategy=pipeline (or --microbatches): the "
              "micro-batches that flow through the stages.")
+    sync_batchnorm: bool = option(
+        False, group="training", math=True,
+        engines=("default", "mirrored", "multi_worker", "dtensor"),
+        help="BatchNormalization normalises with the statistics of the global batch (its "
+             "moments all-reduced in the forward pass, gradients through the reduction), "
+             "not each replica's: mirrored and multi_worker (Keras's synchronized=True, which "
+             "a layer of your own may also set); dtensor and one device have them already. "
+             "Not with accumulation (each micro-batch has its own statistics).")
     grad_compression: str = option(
         "none", choices=GRAD_COMPRESSION, group=NETWORK, math=True,
         tunable=GRAD_COMPRESSION,
@@ -195,6 +203,10 @@ class TrainConfig:
                               "loss=categorical_crossentropy or categorical_focal_crossentropy "
                               "(Keras's sparse loss has no label smoothing)")
         _check_exchange(self)
+        if self.sync_batchnorm and self.accum_steps > 1:
+            raise ConfigError(f"sync_batchnorm with accum_steps={self.accum_steps}: each "
+                              "micro-batch would normalise with its own statistics, not the "
+                              "global batch's; use accum_steps=1")
         if self.on_nonfinite == "rollback" and not self.model_dir:
             raise ConfigError("on_nonfinite='rollback' restores the last checkpoint: set "
                               "model_dir (or use on_nonfinite=skip)")

@@ -62,10 +62,9 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         log(f"no mixed_bfloat16 candidates: {hardware.bf16_refusal()}")
         lossy = False
     processes = _processes(small, large, lossy)
-    results = []
-    for number, runs in enumerate(processes, 1):
-        results.append(_calibration_run(number, len(processes), config, steps_per_loop, runs,
-                                        functions, log, work_dir, timeout))
+    results = [_calibration_run(number, len(processes), config, steps_per_loop, runs,
+                                functions, log, work_dir, timeout)
+               for number, runs in enumerate(processes, 1)]
 
     def peak(record, size):
         return record["peak_rss_bytes"] - buffer_bytes(2 * steps_per_loop * size)

@@ -339,6 +339,33 @@ class PipelineStages(Capability):
         raise NotImplementedError
 
 
+class GlobalBatchStatistics(Capability):
+    """BatchNormalization can normalise with the statistics of the global
+    batch (`--sync_batchnorm`, or a layer's own `synchronized=True`): the
+    moments reduced over every replica inside the forward pass, the
+    gradients flowing back through the reduction. An engine that inherits it
+    but cannot (a pipeline's stages see micro-batches) says so with
+    `global_batch_statistics = False`."""
+
+    needs = "BatchNorm statistics reduced over every replica's batch"
+    global_batch_statistics = True
+    # Whether the reduction is a collective inside the forward pass (which
+    # XLA cannot compile on CPU), or the statistics are global already.
+    statistics_collective = True
+
+    def active(self) -> bool:
+        return type(self).global_batch_statistics
+
+    @classmethod
+    def offered_by(cls, adapter: type) -> bool:
+        return adapter.global_batch_statistics
+
+    @abc.abstractmethod
+    def synchronize_batch_statistics(self, layers: list) -> str:
+        """Make `layers` (Keras BatchNormalization layers, built) normalise
+        with the global batch's statistics; returns how, for the log."""
+
+
 class ReplicaLocalState(Capability):
     """Each replica runs the step on its own share of the batch and may keep
     state of its own between steps, and tensors can be gathered from every

@@ -6,10 +6,10 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.strategies.base import Strategy, tf_variable
-from tfdist.strategies.capabilities import ReplicaLocalState
+from tfdist.strategies.capabilities import GlobalBatchStatistics, ReplicaLocalState
 
 
-class TFDistributeStrategy(Strategy, ReplicaLocalState):
+class TFDistributeStrategy(Strategy, ReplicaLocalState, GlobalBatchStatistics):
     """A `tf.distribute.Strategy` behind the adapter interface.
 
     Subclasses implement `_create()`; replication, input distribution and
@@ -102,6 +102,16 @@ class TFDistributeStrategy(Strategy, ReplicaLocalState):
 
     def all_gather(self, tensor):
         return tf.distribute.get_replica_context().all_gather(tensor, axis=0)
+
+    # -- capabilities.GlobalBatchStatistics -------------------------------------
+    def synchronize_batch_statistics(self, layers):
+        if self.num_replicas == 1:
+            return "one replica: its batch is the global batch"
+        for layer in layers:   # Keras all-reduces the moments through the replica context
+            layer.synchronized = True
+        return (f"BatchNorm statistics over the global batch ({len(layers)} layer(s): "
+                f"Keras's synchronized=True, sum and sum of squares all-reduced over "
+                f"{self.num_replicas} replicas)")
 
 
 def run_first_result(strategy: tf.distribute.Strategy, replica_fn, args):

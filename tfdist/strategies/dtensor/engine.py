@@ -16,7 +16,7 @@ from tensorflow.experimental import dtensor
 from tfdist import cluster, compat, sharding
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy
-from tfdist.strategies.capabilities import TensorSharding, ZeroStages
+from tfdist.strategies.capabilities import GlobalBatchStatistics, TensorSharding, ZeroStages
 from tfdist.observe import hardware, logs
 from tfdist.strategies.multi_worker import engine as multi_worker
 from tfdist.strategies.dtensor import clients
@@ -28,8 +28,10 @@ from tfdist.strategies.dtensor.report import LayoutReport
 from tfdist.strategies.dtensor.variables import VariableCreation, _gather, _lay_out, _read
 
 
-class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding, ZeroStages):
+class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding, ZeroStages,
+                      GlobalBatchStatistics):
     name = "dtensor"
+    statistics_collective = False   # one SPMD program: its moments are the global batch's
     supports_xla = False
     supports_xla_reason = ("DTensor expands its SPMD program itself, outside XLA, on CPU; "
                            "it has no per-replica step to compile")
@@ -110,6 +112,10 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding, 
                  f"processes" if self._clients else "")
         return (f"dtensor: mesh batch:{self.axes['batch']} x model:{self.axes['model']} on "
                 f"{', '.join(self.mesh.local_devices())}{where}")
+
+    def synchronize_batch_statistics(self, layers) -> str:
+        del layers   # the step is one program over the global batch
+        return "BatchNorm statistics over the global batch already (one SPMD program)"
 
     # -- variables on the mesh ----------------------------------------------
     def set_layout_rules(self, rules) -> None:

@@ -34,6 +34,8 @@ class PipelineStrategy(StagesAcrossProcesses, StagesInference, MultiWorkerStrate
     # Each stage's gradients are reduced among its replicas in the stage's own
     # step: no per-replica compression or local SGD (fp16/bf16 casts work).
     replica_local_state = False
+    # A stage sees micro-batches: its statistics cannot be the global batch's.
+    global_batch_statistics = False
     _timeline = None   # TFDIST_PIPELINE_TIMELINE's recording (`_prepare_timeline`)
     chunks = 1         # --pipeline_chunks: the stages each device (process) runs
     supports_xla = False
