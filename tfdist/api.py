@@ -283,9 +283,8 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
             total_steps=steps))
-        moved = compression.move_momentum(config.train.grad_compression, optimizer)
-        if moved and strategy.is_chief:
-            logging.info(moved)
+        compression.prepare_optimizer(config.train, config.optimizer.name, optimizer, model,
+                                      log=strategy.is_chief)
         if pipeline:   # a process holding some stages makes the others' slots freed
             pipeline.build_optimizer(optimizer, model.trainable_variables)
         else:

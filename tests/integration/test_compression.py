@@ -334,3 +334,18 @@ def test_powersgd_warm_up_sums_uncompressed_until_its_step(initial, plain):
     partly = train_from(_config(grad_compression="powersgd", powersgd_rank=2,
                                 compression_warmup_steps=3), initial)
     assert _largest_difference(partly, plain["sgd"]) > 1e-5
+
+
+def test_topk_with_adam_on_a_batchnorm_model_is_warned_naming_momentum():
+    """The measured accuracy cost (bench/compression_accuracy.py) is said at
+    start-up where it applies; not with momentum SGD, nor without BatchNorm
+    (the controls)."""
+    cnn = models.build(run_config(model="cnn", width=4).model, IMAGE_SPEC)
+    mlp = models.build(run_config(model="mlp", width=4).model, IMAGE_SPEC)
+    topk = run_config(grad_compression="topk").train
+    line = compression.accuracy_warning(topk, "adam", cnn)
+    assert line.startswith("--grad_compression=topk with --optimizer=adam on a model with "
+                           "BatchNorm") and "--optimizer=momentum" in line
+    assert compression.accuracy_warning(topk, "momentum", cnn) is None
+    assert compression.accuracy_warning(topk, "adam", mlp) is None
+    assert compression.accuracy_warning(run_config().train, "adam", cnn) is None
