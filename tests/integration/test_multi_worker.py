@@ -76,6 +76,9 @@ CLUSTER_RUNS = {
     # backward pass produces it; the sums are the same.
     "bucketed": {"reduce_bucket_mb": 0.001},
     "batch_norm": {"model": {"name": "cnn", "width": 4, "depth": 1}},
+    # The same with the global batch's statistics: one device's run.
+    "batch_norm_synced": {"model": {"name": "cnn", "width": 4, "depth": 1},
+                          "sync_batchnorm": True},
     "every_feature": {"accum_steps": 2, "grad_compression": "bf16",
                       "precision": "mixed_float16", "jit_compile": "auto"},
     # Compression and local SGD across processes (all-gather, per-worker state):
@@ -159,6 +162,28 @@ def test_batch_norm_statistics_are_averaged_across_workers(cluster_runs):
         np.testing.assert_array_equal(a, b)
     moved = [np.abs(w - i).max() for w, i in zip(workers[0], initial)]
     assert min(moved) > 0   # every weight and statistic was trained or updated
+
+
+@pytest.mark.timeout(240)
+def test_synchronised_batch_norm_across_workers_matches_one_device(cluster_runs):
+    """--sync_batchnorm across 2 processes: the cnn's weights and moving
+    statistics match one device on the global batch (the moments' sums are
+    all-reduced in the forward pass; tolerance: test_equivalence's
+    SYNC_TOLERANCE, whose reasoning holds here, at twice the steps); the
+    control: per-worker statistics differ by far more."""
+    workers, initial = cluster_runs["batch_norm_synced"]
+    for a, b in zip(*workers):
+        np.testing.assert_array_equal(a, b)
+    config = mw_config("default", 10)
+    config = config.replace(model=dataclasses.replace(config.model, name="cnn", width=4,
+                                                      depth=1))
+    one = train_from(config, initial).model.get_weights()
+    for index, (a, b) in enumerate(zip(workers[0], one)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"variable {index}")
+    local, local_initial = cluster_runs["batch_norm"]
+    local_one = train_from(config, local_initial).model.get_weights()
+    assert max(np.abs(a - b).max() for a, b in zip(local[0], local_one)) > 10 * max(
+        1e-6 + 1e-5 * np.abs(b).max() for b in local_one)
 
 
 @pytest.mark.timeout(240)
