@@ -60,7 +60,7 @@ RESULTS = os.path.join(REPO, "bench", "results")
 # The order sections appear in the collected report.
 SECTIONS = ("vs_fit", "features", "scaling", "horovod_vs_multi_worker", "allreduce", "dtensor",
             "depthwise", "dtensor_init", "input_order", "soak", "parameter_server", "slow_link",
-            "compression_accuracy",
+            "compression_accuracy_cnn", "compression_accuracy_transformer",
             "planner", "planner_memory", "planner_link")
 
 

@@ -1,25 +1,31 @@
-"""Gradient compression's accuracy on the cnn, per optimizer and seed, and
+"""Gradient compression's accuracy per model, optimizer and seed, and
 whether a gap is learning or BatchNorm's moving statistics.
 
-    python bench/compression_accuracy.py [--optimizers momentum,adam]
-        [--configs none,powersgd,topk] [--seeds 0,1,2] [--steps 300]
+    python bench/compression_accuracy.py [--model cnn|transformer]
+        [--optimizers momentum,adam] [--configs none,powersgd,topk]
+        [--seeds 0,1,2] [--steps 300]
 
-Each run is the demo's model and data (the cnn, width 16, on the bundled
-tfdist_shapes images; global batch 128) under mirrored over 2 virtual CPU
-devices, in a process of its own, evaluated every --steps/6 steps:
+Each run is, with --model=cnn, the demo's model and data (the cnn, width 16,
+on the bundled tfdist_shapes images; global batch 128), with
+--model=transformer the transformer of bench/slow_link.py (width 256, depth
+2, on the bundled tfdist_tokens; global batch 64), under mirrored over 2
+virtual CPU devices, in a process of its own, evaluated every --steps/6
+steps:
 
 - none: gradients summed uncompressed;
 - powersgd r4: `--grad_compression=powersgd --powersgd_rank=4`;
 - topk 1%: `--grad_compression=topk --topk_fraction=0.01`;
 
-with `--optimizer=momentum` (0.9, learning rate 0.05: the setting of the
-PowerSGD and deep gradient compression papers; top-k applies the momentum
-before sparsifying) or `--optimizer=adam` (learning rate 0.003, the demo's).
+with `--optimizer=momentum` (0.9, learning rate 0.05 on the cnn, 0.1 on the
+transformer: the optimizer of the PowerSGD and deep gradient compression
+papers; top-k applies the momentum before sparsifying) or `--optimizer=adam`
+(learning rate 0.003, the demo's and slow_link's).
 
 Per run: the test accuracy with the moving statistics as trained (what
-`tfdist-train` reports) and with them re-estimated for the final weights
-(each BatchNorm's moving mean and variance replaced by the mean of its batch
-statistics over 20 training batches, the weights untouched). Where the two
+`tfdist-train` reports) and, for a model with BatchNorm, with them
+re-estimated for the final weights (each BatchNorm's moving mean and
+variance replaced by the mean of its batch statistics over 20 training
+batches, the weights untouched). Where the two
 differ the trained weights are good and the moving averages lag them. Per
 configuration: the mean over the seeds, the spread (max - min), the mean
 difference to none, and whether none had plateaued (its last two
@@ -44,7 +50,11 @@ CONFIGS = {
     "powersgd": ("powersgd r4", {"grad_compression": "powersgd", "powersgd_rank": 4}),
     "topk": ("topk 1%", {"grad_compression": "topk", "topk_fraction": 0.01}),
 }
-OPTIMIZERS = {"momentum": 0.05, "adam": 0.003}
+MODELS = {   # model flags, global batch, momentum's learning rate
+    "cnn": (dict(name="cnn", width=16), "tfdist_shapes", 128, 0.05),
+    "transformer": (dict(name="transformer", width=256, depth=2), "tfdist_tokens", 64, 0.1),
+}
+ADAM_LR = 0.003
 _EVALUATION = re.compile(r"step (\d+)/\d+ .*test_accuracy=([0-9.]+)")
 
 
@@ -55,19 +65,29 @@ def child(spec: dict) -> None:
     import tensorflow as tf
     from absl import logging
     import tfdist
+    from tfdist.compat import model_layers
     from tfdist.data.inputs import of_run
     logging.set_verbosity(logging.INFO)
     steps = spec["steps"]
+    model_fields, dataset, batch, momentum_lr = MODELS[spec["model"]]
     config = tfdist.RunConfig(
         strategy=tfdist.StrategyConfig(name="mirrored", virtual_devices=2),
-        model=tfdist.ModelConfig(name="cnn", width=16),
-        data=tfdist.DataConfig(dataset="tfdist_shapes"),
-        optimizer=tfdist.OptimizerConfig(name=spec["optimizer"],
-                                         learning_rate=OPTIMIZERS[spec["optimizer"]]),
-        train=tfdist.TrainConfig(global_batch_size=128, train_steps=steps,
+        model=tfdist.ModelConfig(**model_fields),
+        data=tfdist.DataConfig(dataset=dataset),
+        optimizer=tfdist.OptimizerConfig(
+            name=spec["optimizer"],
+            learning_rate=momentum_lr if spec["optimizer"] == "momentum" else ADAM_LR),
+        train=tfdist.TrainConfig(global_batch_size=batch, train_steps=steps,
                                  steps_per_loop=steps // 6, eval_every=steps // 6,
                                  seed=spec["seed"], **CONFIGS[spec["config"]][1]))
     result = tfdist.train(config)
+    norms = [layer for layer in model_layers(result.model)
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    reported = result.summary.get("accuracy")
+    if not norms:   # nothing to re-estimate
+        print(json.dumps({"reported": reported, "trained": reported,
+                          "reestimated": reported}), flush=True)
+        return
     inputs = of_run(config)
     context = tf.distribute.InputContext()
     test = inputs.examples("test", context).batch(256)
@@ -83,8 +103,6 @@ def child(spec: dict) -> None:
         return right / total
 
     trained = accuracy()
-    norms = [layer for layer in model._flatten_layers()
-             if isinstance(layer, keras.layers.BatchNormalization)]
     batch_stats = {id(n): ([], []) for n in norms}
     for n in norms:
         n.momentum = 0.0          # each training-mode call leaves its batch's statistics
@@ -97,12 +115,14 @@ def child(spec: dict) -> None:
         means, variances = batch_stats[id(n)]
         n.moving_mean.assign(np.mean(means, 0))
         n.moving_variance.assign(np.mean(variances, 0))
-    print(json.dumps({"reported": result.summary.get("accuracy"), "trained": trained,
+    print(json.dumps({"reported": reported, "trained": trained,
                       "reestimated": accuracy()}), flush=True)
 
 
-def run(optimizer: str, config: str, seed: int, steps: int, timeout: float) -> dict:
-    spec = json.dumps({"optimizer": optimizer, "config": config, "seed": seed, "steps": steps})
+def run(model: str, optimizer: str, config: str, seed: int, steps: int,
+        timeout: float) -> dict:
+    spec = json.dumps({"model": model, "optimizer": optimizer, "config": config, "seed": seed,
+                       "steps": steps})
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     done = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=common.REPO)
@@ -116,6 +136,7 @@ def run(optimizer: str, config: str, seed: int, steps: int, timeout: float) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
     parser.add_argument("--optimizers", default="momentum,adam")
     parser.add_argument("--configs", default="none,powersgd,topk")
     parser.add_argument("--seeds", default="0,1,2")
@@ -127,14 +148,14 @@ def main() -> None:
         return child(json.loads(args.child))
     print(common.hardware_header(), flush=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    header = ["optimizer", "config", "seeds", "test acc (mean)", "spread", "vs none (pp)",
+    header = ["model", "optimizer", "config", "seeds", "test acc (mean)", "spread", "vs none (pp)",
               "re-estimated statistics (mean)", "none plateaued", "per seed (reported / "
               "re-estimated)"]
     rows = []
     for optimizer in args.optimizers.split(","):
         results = {}
         for config in args.configs.split(","):
-            results[config] = [run(optimizer, config, seed, args.steps, args.timeout)
+            results[config] = [run(args.model, optimizer, config, seed, args.steps, args.timeout)
                                for seed in seeds]
             for seed, r in zip(seeds, results[config]):
                 print(f"{optimizer} {config} seed {seed}: {json.dumps(r)}", flush=True)
@@ -146,20 +167,22 @@ def main() -> None:
         for config, found in results.items():
             accuracies = [r["trained"] for r in found]
             mean = statistics.mean(accuracies)
-            row = [optimizer, CONFIGS[config][0], len(found), f"{mean:.4f}",
+            row = [args.model, optimizer, CONFIGS[config][0], len(found), f"{mean:.4f}",
                    f"{max(accuracies) - min(accuracies):.4f}",
                    f"{100 * (mean - base):+.1f}" if base is not None else "-",
                    f"{statistics.mean(r['reestimated'] for r in found):.4f}", plateau,
                    ", ".join(f"{r['trained']:.3f} / {r['reestimated']:.3f}" for r in found)]
             rows.append(row)
             common.print_row(row, header)
-    body = (f"The cnn (width 16) on tfdist_shapes under mirrored over 2 virtual devices, "
-            f"global batch 128, {args.steps} steps, seeds {args.seeds}; momentum 0.9 at "
-            "learning rate 0.05, Adam at 0.003. \"re-estimated statistics\": the same "
-            "weights with each BatchNorm's moving statistics replaced by the mean of its "
-            "batch statistics over 20 training batches.\n\n" + common.markdown_table(rows, header))
-    print(common.write_section("compression_accuracy",
-                               "Gradient compression's accuracy on the cnn "
+    fields, dataset, batch, momentum_lr = MODELS[args.model]
+    body = (f"The {args.model} ({fields}) on {dataset} under mirrored over 2 virtual "
+            f"devices, global batch {batch}, {args.steps} steps, seeds {args.seeds}; momentum "
+            f"0.9 at learning rate {momentum_lr}, Adam at {ADAM_LR}. \"re-estimated "
+            "statistics\": the same weights with each BatchNorm's moving statistics replaced "
+            "by the mean of its batch statistics over 20 training batches (a model without "
+            "BatchNorm: as reported).\n\n" + common.markdown_table(rows, header))
+    print(common.write_section(f"compression_accuracy_{args.model}",
+                               f"Gradient compression's accuracy on the {args.model} "
                                "(bench/compression_accuracy.py)", body))
 
 

@@ -117,7 +117,7 @@ def test_sync_batchnorm_matches_one_device_on_the_global_batch(engine):
         assert worst > 10 * bound
 
 
-@pytest.mark.parametrize("name", ["parameter_server", "horovod", "pipeline", "mirrored"])
+@pytest.mark.parametrize("name", ["parameter_server", "pipeline", "mirrored"])
 def test_sync_batchnorm_is_refused_in_one_line_where_the_engine_cannot(name):
     """From the engine's capabilities, before anything is built; the control:
     mirrored has them."""
@@ -139,7 +139,7 @@ def test_sync_batchnorm_is_refused_in_one_line_where_the_engine_cannot(name):
     assert str(error.value) == (
         f"--sync_batchnorm needs BatchNorm statistics reduced over every replica's batch; "
         f"--strategy={name} has none (engines that do: default, mirrored, multi_worker, "
-        "dtensor)")
+        "horovod, dtensor)")
 
 
 def test_sync_batchnorm_with_micro_batches_is_refused():

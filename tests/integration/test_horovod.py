@@ -195,6 +195,21 @@ def _nan_job(initial, out_dir, mode):
                                  "global_batch_size": NAN_BATCH, "jit_compile": "off"})
 
 
+CNN = {"name": "cnn", "width": 4, "depth": 1}
+
+
+def _cnn_config(**train):
+    import dataclasses
+    config = mw_config("default", 10, **train)
+    return config.replace(model=dataclasses.replace(config.model, **CNN))
+
+
+@pytest.fixture(scope="module")
+def cnn_initial():
+    from tfdist import models
+    return models.build(_cnn_config().model, IMAGE_SPEC).get_weights()
+
+
 @pytest.fixture(scope="module")
 def mw_initial():
     """Initial weights of tests/mw_worker.py's model (mw_config's mlp)."""
@@ -203,7 +218,7 @@ def mw_initial():
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory, mw_initial, early_runs):
+def first_run(tmp_path_factory, mw_initial, cnn_initial, early_runs):
     """The runs that need nothing else, in one horovodrun (beside early_runs)."""
     from test_tasks import CASES, TASK_TRAIN
     tmp_path = tmp_path_factory.mktemp("hvd_first")
@@ -226,6 +241,9 @@ def first_run(tmp_path_factory, mw_initial, early_runs):
         "topk_every_entry": (mw_initial, 10, {"grad_compression": "topk", "topk_fraction": 1.0,
                                               "jit_compile": "off"}),
         "local_every_step": (mw_initial, 10, {"sync_every": 1, "jit_compile": "off"}),
+        # The cnn's BatchNorm over both ranks' batches (Horovod's all-reduce).
+        "batch_norm_synced": (cnn_initial, 10, {"model": CNN, "sync_batchnorm": True,
+                                                "jit_compile": "off"}),
         "local_every_5": (mw_initial, 10, {"sync_every": 5, "jit_compile": "off"}),
         # PowerSGD's exact resume in fresh ranks: each rank restores its own
         # error feedback and Q (second_run's "powersgd_resumed").
@@ -327,6 +345,26 @@ def test_two_ranks_with_bucketed_reductions_match_single_process(first_run, sing
 @pytest.mark.timeout(240)
 def test_two_ranks_accumulating_match_one_big_batch(first_run, single_device, mw_initial):
     _assert_ranks_match_single_device(first_run["accumulating"], single_device, mw_initial)
+
+
+@pytest.mark.timeout(240)
+def test_synchronised_batch_norm_over_ranks_matches_one_device(first_run, cnn_initial):
+    """--sync_batchnorm under Horovod: weights and moving statistics match one
+    device on the global batch (tolerance: test_equivalence's SYNC_TOLERANCE);
+    the control: per-rank statistics would be more than 10x the tolerance away."""
+    result, out_dir = first_run["batch_norm_synced"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [_weights(out_dir, i) for i in (0, 1)]
+    for a, b in zip(*ranks):
+        np.testing.assert_array_equal(a, b)
+    one = train_from(_cnn_config(), cnn_initial).model.get_weights()
+    for index, (a, b) in enumerate(zip(ranks[0], one)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"variable {index}")
+    # Ranks that kept their own statistics would train as one device in 2
+    # micro-batches does (test_equivalence): that is far outside the tolerance.
+    local = train_from(_cnn_config(accum_steps=2), cnn_initial).model.get_weights()
+    assert max(np.abs(a - b).max() for a, b in zip(local, one)) > 10 * max(
+        1e-6 + 1e-5 * np.abs(b).max() for b in one)
 
 
 @pytest.mark.timeout(240)

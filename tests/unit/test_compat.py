@@ -848,3 +848,24 @@ def test_keras_random_draws_reach_keras_initializers_in_their_scope_only():
     outside = initializer((3, 2)).numpy()
     assert (inside == 7.0).all() and seen == [((3, 2), (2,))]
     assert not (outside == 7.0).any()
+
+
+def test_replace_batchnorm_moments():
+    """The layer's training call normalises with the replaced moments (what
+    Horovod's global statistics go through); its moving statistics follow them."""
+    import numpy as np
+    layer = keras.layers.BatchNormalization(momentum=0.0, epsilon=0.0, center=False,
+                                            scale=False)
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    layer.build(x.shape)
+    compat.replace_batchnorm_moments(
+        layer, lambda inputs, mask: (keras.ops.zeros((3,)), keras.ops.ones((3,))))
+    np.testing.assert_allclose(np.asarray(layer(x, training=True)), x)   # (x - 0) / 1
+    np.testing.assert_allclose(np.asarray(layer.moving_mean), 0.0)
+
+
+def test_replace_batchnorm_moments_check(monkeypatch):
+    monkeypatch.delattr(keras.layers.BatchNormalization, "_moments")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.replace_batchnorm_moments(keras.layers.BatchNormalization(), None)
+    assert_one_line_change(raised, "_moments")

@@ -58,6 +58,7 @@ from tfdist.compat.keras_internals import (
     keras_seed_tensor,
     keras_variable_of,
     model_layers,
+    replace_batchnorm_moments,
 )
 from tfdist.compat.keras_matplotlib import defer_keras_matplotlib
 from tfdist.compat.keras_stages import (
@@ -106,6 +107,7 @@ __all__ = [
     "gradient_overridden", "graph_custom_gradient", "graph_function", "is_sharded",
     "keras_initializer_of", "keras_mask", "keras_name_scopes_restored", "keras_metric",
     "keras_random_draws", "keras_seed_tensor", "keras_variable_of", "model_layers",
+    "replace_batchnorm_moments",
     "move_variable", "next_collective_key_base", "optimizer_slots",
     "optimizer_updates_sharded_variables", "replay_functional", "set_storage",
     "serialized_object_graph", "sharded_variable_type", "standardize_inputs", "strategy_supports_no_merge_call",

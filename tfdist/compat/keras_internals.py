@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import types
 
-from tfdist.compat._guard import _changed, _code_reads, _require
+from tfdist.compat._guard import _changed, _code_reads, _require, _require_called
 from tfdist.compat.tf_internals import is_sharded
 
 
@@ -321,6 +321,26 @@ def model_layers(model) -> list:
     """
     flatten = _require(model, "_flatten_layers", "keras Layer._flatten_layers")
     return list(flatten(include_self=False, recursive=True))
+
+
+def replace_batchnorm_moments(layer, moments) -> None:
+    """`layer` (a BatchNormalization) computes its training batch's moments
+    with `moments(inputs, mask) -> (mean, variance)` instead of its own.
+
+    What: Keras's private `BatchNormalization._moments`, replaced on the
+    instance. Why: under Horovod the step runs in tf.distribute's default
+    replica context, whose all-reduce is the identity, so Keras's
+    `synchronized=True` silently keeps each rank's statistics; Horovod's own
+    `SyncBatchNormalization` fails on Keras 3 (it passes `fused=` and calls
+    an old `_moments` signature). The engine reduces the moments' sums with
+    Horovod's all-reduce instead. Verified: keras 3.15.1. Check:
+    `BatchNormalization.call` still calls `self._moments`.
+    """
+    import keras
+    _require(keras.layers.BatchNormalization, "_moments", "keras BatchNormalization._moments")
+    _require_called(keras.layers.BatchNormalization, "call", "_moments",
+                    "keras BatchNormalization._moments")
+    layer._moments = moments
 
 
 @contextlib.contextmanager

@@ -70,12 +70,13 @@ class TrainConfig:
              "micro-batches that flow through the stages.")
     sync_batchnorm: bool = option(
         False, group="training", math=True,
-        engines=("default", "mirrored", "multi_worker", "dtensor"),
+        engines=("default", "mirrored", "multi_worker", "horovod", "dtensor"),
         help="BatchNormalization normalises with the statistics of the global batch (its "
              "moments all-reduced in the forward pass, gradients through the reduction), "
              "not each replica's: mirrored and multi_worker (Keras's synchronized=True, which "
-             "a layer of your own may also set); dtensor and one device have them already. "
-             "Not with accumulation (each micro-batch has its own statistics).")
+             "a layer of your own may also set) and horovod (Horovod's all-reduce); dtensor "
+             "and one device have them already. Not with accumulation (each micro-batch has "
+             "its own statistics).")
     grad_compression: str = option(
         "none", choices=GRAD_COMPRESSION, group=NETWORK, math=True,
         tunable=GRAD_COMPRESSION,

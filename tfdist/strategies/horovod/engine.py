@@ -29,10 +29,11 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from tfdist import slurm
+from tfdist import compat, slurm
 from tfdist.errors import UsageError
 from tfdist.strategies.base import Strategy, tf_variable
-from tfdist.strategies.capabilities import ElasticMembership, ReplicaLocalState
+from tfdist.strategies.capabilities import (ElasticMembership, GlobalBatchStatistics,
+                                            ReplicaLocalState)
 
 ELASTIC_GLOO_TIMEOUT_S = 120
 BUILD_HINT = "build it with `make horovod` (launch/build_horovod.sh; see BUILD_NOTES.md)"
@@ -96,7 +97,7 @@ def _horovod_hosts(environ, tasks: int) -> str:
     return ",".join(f"{host}:{count}" for host, count in zip(task.hosts, task.tasks_per_node))
 
 
-class HorovodStrategy(Strategy, ElasticMembership, ReplicaLocalState):
+class HorovodStrategy(Strategy, ElasticMembership, ReplicaLocalState, GlobalBatchStatistics):
     """Data parallelism over Horovod ranks; rank 0 is the chief. Elastic
     (ranks may leave and join) with --elastic."""
 
@@ -239,6 +240,15 @@ class HorovodStrategy(Strategy, ElasticMembership, ReplicaLocalState):
             return tensor
         return self._hvd.allgather(tensor)
 
+    # -- capabilities.GlobalBatchStatistics -------------------------------------
+    def synchronize_batch_statistics(self, layers):
+        if self.num_replicas == 1:
+            return "one rank: its batch is the global batch"
+        for layer in layers:
+            compat.replace_batchnorm_moments(layer, _moments_over_ranks(layer, self._hvd))
+        return (f"BatchNorm statistics over the global batch ({len(layers)} layer(s): sum, "
+                f"sum of squares and count all-reduced over {self.num_replicas} Horovod ranks)")
+
     def broadcast_variables(self, variables) -> None:
         """Rank 0's values everywhere (its initial weights, or its checkpoint)."""
         if self.num_replicas == 1:
@@ -251,6 +261,24 @@ class HorovodStrategy(Strategy, ElasticMembership, ReplicaLocalState):
         text = str(getattr(error, "message", error)).strip().splitlines()
         return (f"rank {self.worker_index}: Horovod collective failed (a peer rank died or "
                 f"timed out): {text[0] if text else type(error).__name__}")
+
+
+def _moments_over_ranks(layer, hvd):
+    """`layer`'s moments over every rank's batch: the sums of x, x^2 and the
+    count over the normalised axes, one grouped all-reduce (its gradient is
+    the all-reduce of theirs), then E[x], E[x^2] - E[x]^2 (Keras's
+    synchronized formula)."""
+    def moments(inputs, mask):
+        rank = len(inputs.shape)
+        axes = [i for i in range(rank) if i != layer.axis % rank]
+        weight = (tf.ones_like(inputs) if mask is None else tf.broadcast_to(
+            tf.cast(tf.expand_dims(mask, -1), inputs.dtype), tf.shape(inputs)))
+        total, squares, count = hvd.grouped_allreduce(
+            [tf.reduce_sum(inputs * weight, axes), tf.reduce_sum(tf.square(inputs) * weight, axes),
+             tf.reduce_sum(weight, axes)], op=hvd.Sum)
+        mean = total / count
+        return mean, tf.maximum(squares / count - tf.square(mean), 0.0)
+    return moments
 
 
 def _elastic_state(strategy, variables):
