@@ -27,20 +27,25 @@ class Capability(abc.ABC):
     """Base of the capability interfaces."""
 
     needs = "a capability"   # what a feature needs, in `require`'s refusal
+    # The class attribute an adapter that inherits the interface but cannot
+    # honour it sets to False (a pipeline's stages), or None: none.
+    declined_by = None
 
     def active(self) -> bool:
-        """Whether this run uses the capability (default: always, when implemented)."""
+        """Whether this run uses the capability (default: always, when offered)."""
         return True
 
     @classmethod
     def offered_by(cls, adapter: type) -> bool:
         """Whether engines of class `adapter` (a subclass) offer it at all."""
-        return True
+        return cls.declined_by is None or getattr(adapter, cls.declined_by)
 
 
 def capability(strategy, interface: type[T]) -> Optional[T]:
-    """`strategy` as an `interface` if it implements it and this run uses it, else None."""
-    if isinstance(strategy, interface) and interface.active(strategy):
+    """`strategy` as an `interface` if it implements and offers it and this run uses
+    it, else None."""
+    if (isinstance(strategy, interface) and interface.offered_by(type(strategy))
+            and interface.active(strategy)):
         return strategy
     return None
 
@@ -348,17 +353,11 @@ class GlobalBatchStatistics(Capability):
     `global_batch_statistics = False`."""
 
     needs = "BatchNorm statistics reduced over every replica's batch"
+    declined_by = "global_batch_statistics"
     global_batch_statistics = True
     # Whether the reduction is a collective inside the forward pass (which
     # XLA cannot compile on CPU), or the statistics are global already.
     statistics_collective = True
-
-    def active(self) -> bool:
-        return type(self).global_batch_statistics
-
-    @classmethod
-    def offered_by(cls, adapter: type) -> bool:
-        return adapter.global_batch_statistics
 
     @abc.abstractmethod
     def synchronize_batch_statistics(self, layers: list) -> str:
@@ -377,14 +376,8 @@ class ReplicaLocalState(Capability):
     says so with `replica_local_state = False`."""
 
     needs = "replicas that each step on their own data and keep state of their own"
+    declined_by = "replica_local_state"
     replica_local_state = True
-
-    def active(self) -> bool:
-        return type(self).replica_local_state
-
-    @classmethod
-    def offered_by(cls, adapter: type) -> bool:
-        return adapter.replica_local_state
 
     @abc.abstractmethod
     def replica_variable(self, initial_value, name: str):

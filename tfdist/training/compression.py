@@ -34,12 +34,13 @@ from typing import Callable, Optional
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfdist.errors import UsageError
 from tfdist.matrices import matrix_shape
 from tfdist.strategies.capabilities import (ElasticMembership, ReplicaLocalState,
                                             capability, require)
-from tfdist.training import optimizers
+from tfdist.training import batchnorm, optimizers
 
 CASTS = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
 STATEFUL = ("powersgd", "topk")
@@ -374,7 +375,6 @@ def prepare_optimizer(train_config, optimizer_name: str, optimizer, model, log: 
     """Before `optimizer` is built: top-k's momentum correction
     (`move_momentum`), and where `log`, what it moved and
     `accuracy_warning`."""
-    from absl import logging
     moved = move_momentum(train_config.grad_compression, optimizer)
     costly = accuracy_warning(train_config, optimizer_name, model)
     if log and moved:
@@ -386,7 +386,6 @@ def prepare_optimizer(train_config, optimizer_name: str, optimizer, model, log: 
 def accuracy_warning(train_config, optimizer_name: str, model) -> Optional[str]:
     """A line where the run's compression is known to cost accuracy with its
     optimizer and model (bench/compression_accuracy.py), else None."""
-    from tfdist.training import batchnorm
     if (train_config.grad_compression != "topk" or optimizer_name == "momentum"
             or not batchnorm.layers(model)):
         return None
