@@ -280,9 +280,11 @@ def _build(config, strategy, model_fn, inputs, steps, layout_rules):
         model = pipeline.build_model(build) if pipeline else build()
         if pipeline:   # stages on their devices, before the optimizer's slots are made
             pipeline.place_model(model, inputs.example_signature())
+        scheduled = capability(strategy, ScheduledSteps)
         optimizer = precision.wrap_optimizer(optimizers.create(
             config.optimizer, global_batch_size=config.train.global_batch_size,
-            total_steps=steps))
+            total_steps=steps,
+            lr_factor=scheduled.learning_rate_factor() if scheduled else None))
         compression.prepare_optimizer(config.train, config.optimizer.name, optimizer, model,
                                       log=strategy.is_chief)
         if pipeline:   # a process holding some stages makes the others' slots freed

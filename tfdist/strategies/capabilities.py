@@ -184,6 +184,11 @@ class ScheduledSteps(Capability):
     def schedule_metrics(self) -> dict:
         """Scalars about the last loop's scheduling (e.g. staleness), for logs."""
 
+    def learning_rate_factor(self) -> Optional[Callable]:
+        """A function giving, inside a step, the factor of that update's
+        learning rate (as a float32 tensor; 1.0 outside a step), or None."""
+        return None
+
 
 class ServingProcesses(Capability):
     """Some processes of the job only serve others (parameter servers and

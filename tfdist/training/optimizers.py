@@ -15,9 +15,10 @@ def peak_learning_rate(config: OptimizerConfig, global_batch_size: int) -> float
                                           global_batch_size, config.base_batch_size)
 
 
-def create(config: OptimizerConfig, *, global_batch_size: int,
-           total_steps: int) -> keras.optimizers.Optimizer:
-    """The optimizer `config` names, with its learning-rate schedule.
+def create(config: OptimizerConfig, *, global_batch_size: int, total_steps: int,
+           lr_factor=None) -> keras.optimizers.Optimizer:
+    """The optimizer `config` names, with its learning-rate schedule, times
+    `lr_factor()` per update where the engine gives one (`PerUpdateFactor`).
 
     Clipping (`global_clipnorm`) runs inside `apply`, i.e. after the
     cross-replica sum, so every replica clips the same gradient.
@@ -27,6 +28,8 @@ def create(config: OptimizerConfig, *, global_batch_size: int,
         lr = schedules.WarmupDecay(peak_learning_rate(config, global_batch_size),
                                    warmup_steps=config.warmup_steps, total_steps=total_steps,
                                    decay=config.lr_decay)
+    if lr_factor is not None:
+        lr = schedules.PerUpdateFactor(lr, lr_factor)
     common = {"global_clipnorm": config.clip_grad_norm}
     if config.name == "sgd":
         optimizer = keras.optimizers.SGD(lr, **common)

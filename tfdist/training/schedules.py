@@ -41,3 +41,23 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     def get_config(self):
         return {"peak": self.peak, "warmup_steps": self.warmup_steps,
                 "total_steps": self.total_steps, "decay": self.decay}
+
+
+class PerUpdateFactor(keras.optimizers.schedules.LearningRateSchedule):
+    """`base` (a schedule or a constant) times `factor()`: a float32 tensor
+    the engine computes for the update being applied, traced inside its step
+    (a parameter-server update's 1 / (1 + staleness)), or 1.0 outside one."""
+
+    def __init__(self, base, factor):
+        self.base = base
+        self.factor = factor
+
+    def __call__(self, step):
+        base = (self.base(step) if isinstance(self.base, keras.optimizers.schedules.LearningRateSchedule)
+                else ops.convert_to_tensor(self.base, "float32"))
+        return base * self.factor()
+
+    def get_config(self):
+        return {"base": keras.optimizers.schedules.serialize(self.base)
+                if isinstance(self.base, keras.optimizers.schedules.LearningRateSchedule)
+                else self.base}

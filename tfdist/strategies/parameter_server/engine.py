@@ -179,6 +179,8 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
         self._steps_by_worker = collections.Counter()
         self._staleness_sum, self._updates, self._staleness_max = 0, 0, 0
         self._loop = {}
+        self._step_read = None       # the update counter a step read, while it is traced
+        self._step_staleness = None  # and the updates since, once its gradients are computed
 
     # -- servers -----------------------------------------------------------
     def serve_if_server(self) -> bool:
@@ -263,7 +265,18 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
         apply_if_merged(condition, update, args)
 
     def _all_reduce_sum(self, tensors):
+        if self._step_read is not None:   # a step's gradients: its update follows them
+            self._step_staleness = self._staleness_after(tensors)
         return list(tensors)   # one replica per step: nothing to add up
+
+    def _staleness_after(self, tensors):
+        """The updates of other workers that landed between the step's read
+        of the weights and `tensors` (its gradients) being computed: the
+        counter read after them (without the dependency TensorFlow may read
+        it first thing) less the counter the step read."""
+        with tf.control_dependencies(tensors):
+            now = tf.convert_to_tensor(self._optimizer.iterations)
+        return tf.maximum(now - self._step_read, 0)
 
     def replica_id(self):
         return tf.constant(0)
@@ -304,20 +317,22 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
     def scheduled_loop(self, loop_fn):
         """Each of the loop's steps as its own closure, all scheduled at once
         (the coordinator hands them to workers as they become free), then one
-        wait for all. Each closure also reports its worker and the optimizer's
-        update counter (on a parameter server) before and after its step:
-        their difference less one is the step's staleness, the updates of
-        other workers that landed between its read of the weights and its own."""
+        wait for all. Each closure also reports its worker and its step's
+        staleness: the updates of other workers that landed, on the parameter
+        servers' update counter, between its read of the weights and the end
+        of its gradient computation (`_staleness_after`)."""
         counter = lambda: tf.convert_to_tensor(self._optimizer.iterations)  # noqa: E731
 
         def closure(iterator, num_steps, *options):
-            before = counter()
-            with tf.control_dependencies([before]):   # read before the step's weights
-                result = loop_fn(iterator, num_steps, *options)
-            with tf.control_dependencies(tf.nest.flatten(result)):
-                after = counter()
+            self._step_read, self._step_staleness = counter(), None
+            try:
+                with tf.control_dependencies([self._step_read]):   # before the weights
+                    result = loop_fn(iterator, num_steps, *options)
+                staleness = self._step_staleness
+            finally:
+                self._step_read, self._step_staleness = None, None
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-            return result, before, after, worker
+            return result, staleness, worker
 
         compiled = tf.function(closure, autograph=False)
 
@@ -327,12 +342,20 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
                        for _ in range(int(num_steps))]
             self._coordinator.join()
             fetched = [remote.fetch() for remote in remotes]
-            self._account([(int(after) - int(before) - 1, int(worker))
-                           for _, before, after, worker in fetched])
+            self._account([(int(staleness), int(worker)) for _, staleness, worker in fetched])
             return LoopTotals.chain([(1, LoopTotals.from_tensors(result))
-                                     for result, _, _, _ in fetched])
+                                     for result, _, _ in fetched])
 
         return call
+
+    def learning_rate_factor(self):
+        return self._staleness_factor if self.config.staleness_lr == "divide" else None
+
+    def _staleness_factor(self):
+        """1 / (1 + the step's staleness) inside a step, else 1."""
+        if self._step_staleness is None:   # outside a step (e.g. the host logging the rate)
+            return tf.constant(1.0)
+        return 1.0 / (1.0 + tf.cast(self._step_staleness, tf.float32))
 
     def _account(self, steps) -> None:
         """Staleness and steps per worker of one loop's steps."""
