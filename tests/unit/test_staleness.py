@@ -83,3 +83,14 @@ def test_the_staleness_read_waits_for_the_gradients():
 def test_the_wrapped_schedule_serializes_its_base():
     wrapped = schedules.PerUpdateFactor(0.1, lambda: tf.constant(1.0))
     assert wrapped.get_config() == {"base": 0.1}
+
+
+def test_high_staleness_with_momentum_or_adam_warns_and_names_what_helps():
+    adam, sgd = keras.optimizers.Adam(), keras.optimizers.SGD()
+    line = parameter_server.staleness_warning(0.4, "none", adam)
+    assert "mean staleness 0.40" in line and "--staleness_lr=divide" in line, line
+    line = parameter_server.staleness_warning(0.4, "divide", keras.optimizers.SGD(momentum=0.9))
+    assert "SGD" in line and "multi_worker" in line, line
+    # The controls: low staleness, and plain SGD (which staleness did not hurt).
+    assert parameter_server.staleness_warning(0.1, "none", adam) is None
+    assert parameter_server.staleness_warning(0.4, "none", sgd) is None

@@ -58,6 +58,9 @@ from tfdist.strategies.multi_worker.engine import _reason
 
 CHIEF_POLL_S = 1.0       # how often a server checks that the chief is still there
 CHIEF_GONE_PROBES = 3    # failed probes in a row that mean the chief has ended
+# A loop's mean staleness from which the run warns that asynchrony costs
+# accuracy with a momentum or adaptive optimizer (bench/parameter_server.py).
+STALENESS_WARNING = 0.2
 
 
 def _address(spec, task_type: str, index: int) -> str:
@@ -181,6 +184,7 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
         self._loop = {}
         self._step_read = None       # the update counter a step read, while it is traced
         self._step_staleness = None  # and the updates since, once its gradients are computed
+        self._warned = False
 
     # -- servers -----------------------------------------------------------
     def serve_if_server(self) -> bool:
@@ -367,6 +371,11 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
         self._staleness_max = max([self._staleness_max, *staleness])
         self._loop = {"staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
                       "staleness_max": float(max(staleness, default=0))}
+        line = staleness_warning(self._loop["staleness_mean"], self.config.staleness_lr,
+                                 self._optimizer)
+        if line and not self._warned:
+            self._warned = True
+            logging.warning("%s", line)
 
     def _per_worker(self) -> dict:
         return {f"steps_worker_{i}": self._steps_by_worker[i] for i in range(self.num_workers)}
@@ -402,6 +411,22 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
         silent = watchdog.unreachable(_tasks(spec, "ps", "worker"))
         tail = f"; unreachable: {'; '.join(silent)}" if silent else ""
         return f"chief: a step failed: {type(error).__name__}: {detail}{tail}"
+
+
+def staleness_warning(mean: float, staleness_lr: str, optimizer) -> str | None:
+    """A line when a loop's mean staleness is high enough to cost accuracy:
+    with momentum or Adam, a gradient one update stale costs tens of points
+    on the mlp (plain SGD lost none); None otherwise."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if mean < STALENESS_WARNING or not (isinstance(inner, keras.optimizers.Adam)
+                                        or getattr(inner, "momentum", 0.0)):
+        return None
+    hint = ("--staleness_lr=divide scales each update's learning rate by 1 / (1 + its "
+            "staleness)" if staleness_lr == "none" else
+            "where accuracy matters, fewer workers or a synchronous engine (multi_worker)")
+    return (f"parameter_server: mean staleness {mean:.2f} (updates of other workers landing "
+            f"while a step computes its gradient): with {type(inner).__name__} that costs "
+            f"accuracy (bench/parameter_server.py; docs/guides/parameter-server.md); {hint}")
 
 
 def variable_devices(model) -> dict:
