@@ -13,10 +13,12 @@ def _initial_weights(config):
     return models.build(config.model, IMAGE_SPEC).get_weights()
 
 
-def _train(config, initial):
+def _train(config, initial, prepare=None):
     def model_fn(spec):
         model = models.build(config.model, spec)
         model.set_weights(initial)
+        if prepare:
+            prepare(model)
         return model
 
     result = tfdist.train(config, model_fn=model_fn, dataset_fn=image_dataset_fn, spec=IMAGE_SPEC)
@@ -115,6 +117,52 @@ def test_sync_batchnorm_matches_one_device_on_the_global_batch(engine):
         worst = max(np.abs(a.numpy() - b).max()
                     for a, b in zip(local.model.variables, reference))
         assert worst > 10 * bound
+
+
+def _reduced_moments(stop_gradient: bool):
+    """Each BatchNorm layer's moments from the sums over every replica's
+    batch (one-pass variance, as Keras's synchronized path), optionally
+    without gradients through them (installed with tfdist's own compat hook)."""
+    import tensorflow as tf
+
+    from tfdist import compat
+    from tfdist.training import batchnorm
+
+    def moments(inputs, mask):
+        del mask
+        axes = list(range(len(inputs.shape) - 1))
+        count = tf.cast(tf.reduce_prod(tf.shape(inputs)[:-1]), inputs.dtype)
+        total, squares, count = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, [tf.reduce_sum(inputs, axes),
+                                         tf.reduce_sum(tf.square(inputs), axes), count])
+        mean = total / count
+        variance = squares / count - tf.square(mean)
+        return (tf.stop_gradient(mean), tf.stop_gradient(variance)) if stop_gradient \
+            else (mean, variance)
+
+    def prepare(model):
+        for layer in batchnorm.layers(model):
+            compat.replace_batchnorm_moments(layer, moments)
+    return prepare
+
+
+def test_the_sync_batchnorm_equivalence_needs_gradients_through_the_reduced_moments():
+    """The control of the equivalence above: the moments reduced over the
+    replicas as there, but with their gradients stopped, differ from one
+    device by at least 10x the tolerance; the same moments with gradients
+    match it (so the stop is the only difference)."""
+    cnn = dict(model="cnn", width=4, depth=1, optimizer="sgd", learning_rate=0.1, batch=8)
+    default = run_config("default", **cnn)
+    initial = _initial_weights(default)
+    reference = _train(default, initial).model.trainable_variables
+    bound = max(SYNC_TOLERANCE["atol"] + SYNC_TOLERANCE["rtol"] * np.abs(b.numpy()).max()
+                for b in reference)
+    worst = {}
+    for stop in (False, True):
+        trained = _train(run_config("mirrored", **cnn), initial, _reduced_moments(stop))
+        worst[stop] = max(np.abs(a.numpy() - b.numpy()).max()
+                          for a, b in zip(trained.model.trainable_variables, reference))
+    assert worst[False] < bound < 10 * bound < worst[True], (worst, bound)
 
 
 @pytest.mark.parametrize("name", ["parameter_server", "pipeline", "mirrored"])
