@@ -1,27 +1,32 @@
-"""parameter_server (asynchronous) vs multi_worker (synchronous), 2 workers each.
+"""parameter_server (asynchronous) vs multi_worker (synchronous): accuracy and speed.
 
-    .venv/bin/python bench/parameter_server.py [--steps=N] [--model=cnn|mlp]
-        [--global_batch=B] [--stopped=F] [--period=S] [--timeout=T]
+    .venv/bin/python bench/parameter_server.py [--models=cnn,mlp] [--seeds=3]
+        [--workers=1,2,4] [--global_batch=B] [--stopped=F] [--period=S] [--timeout=T]
 
-Both engines train the same model on the bundled tfdist_shapes data with the
-same global batch for the same number of steps (so the same number of
-examples): multi_worker as 2 processes of tfdist-launch (each step one
-all-reduce over 2 replicas of half the batch), parameter_server as a chief,
-2 workers and 1 parameter server (each step one worker's update on the whole
-batch, the workers not waiting for each other). Reported: examples/sec (timed
-loops, the compiling first loop left out), test accuracy at the end, and for
-parameter_server the steps each worker ran and the mean staleness.
+Every run trains the same model on the bundled tfdist_shapes data with the
+same global batch for the same number of steps (so the same examples):
+multi_worker as 2 processes of tfdist-launch (each step one all-reduce over 2
+replicas of half the batch: the synchronous reference), parameter_server as a
+chief, N workers and 1 parameter server (each step one worker's update on the
+whole batch, the workers not waiting for each other), with the default
+staleness-aware learning rate (`--staleness_lr=divide`) and, at 2 workers,
+without it (`none`). Each configuration runs under several seeds (model
+initialisation and data order): the table shows test accuracy at the end as
+mean and spread (min-max) and its difference from multi_worker's mean in
+points, examples/sec as the median (timed loops, the compiling first loop left
+out), and for parameter_server the mean staleness (the updates of other
+workers that landed while a step computed its gradient) and steps per worker.
 
-Then the same with worker 1 slowed down: a straggler, made by stopping its
+Then 2 workers with worker 1 slowed down: a straggler, made by stopping its
 process (SIGSTOP) for a fraction --stopped of every --period seconds and
 letting it run (SIGCONT) the rest, which slows that worker alone whatever the
-engine (a sleep in its input pipeline would need a code path per engine: a
-parameter-server worker's pipeline is traced on the chief). Synchronous
-training waits for the straggler at every all-reduce; asynchronous training
-should keep most of its throughput, the straggler running fewer steps.
+engine. Synchronous training waits for the straggler at every all-reduce;
+asynchronous training keeps most of its throughput, the straggler running
+fewer of the steps.
 
-Ratios: parameter_server / multi_worker per condition, and slowed / normal
-per engine. Run time: about 6 minutes on this 2-core machine at the defaults.
+All processes share this host's cores: 4 workers on 2 cores run one at a time
+more often than 4 hosts would, so their staleness is lower than on 4 hosts.
+Run time: about 25 minutes per model at 3 seeds on a 2-core machine.
 """
 
 import argparse
@@ -33,6 +38,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
@@ -40,18 +47,25 @@ from common import (  # noqa: E402
     print_row)
 
 NAME = "parameter_server"
-TITLE = "parameter_server vs multi_worker, with and without a straggler (bench/parameter_server.py)"
+TITLE = ("parameter_server vs multi_worker: accuracy over seeds, 1-4 workers, with and without "
+         "a straggler (bench/parameter_server.py)")
+# model flags, steps: the mlp is the 512-wide one with Adam at 1e-3 whose
+# asynchronous accuracy fell far behind; the cnn is the demo's.
 MODELS = {
-    "cnn": ["--model=cnn", "--model_width=16", "--learning_rate=0.003"],
-    "mlp": ["--model=mlp", "--model_width=256", "--learning_rate=0.001"],
+    "cnn": (["--model=cnn", "--model_width=16", "--learning_rate=0.003"], 200),
+    "mlp": (["--model=mlp", "--model_width=512", "--learning_rate=0.001"], 600),
 }
-ENGINES = [
-    ("multi_worker", [LAUNCH, "--workers=2", "--"], ["--strategy=multi_worker"]),
-    ("parameter_server", [LAUNCH, "--workers=2", "--ps=1", "--"],
-     ["--strategy=parameter_server"]),
-]
-HEADER = ["condition", "engine", "steps", "ex/s", "accuracy", "ps / mw", "slowed / normal",
-          "steps per worker", "staleness"]
+HEADER = ["model", "condition", "engine", "workers", "--staleness_lr", "ex/s", "accuracy",
+          "vs sync (points)", "ex/s vs sync", "staleness", "steps per worker"]
+
+
+def _configurations(workers: list[int]):
+    """(engine, workers, staleness_lr, launcher args, flags) in table order."""
+    yield ("multi_worker", 2, "-", [LAUNCH, "--workers=2", "--"], ["--strategy=multi_worker"])
+    for n in workers:
+        for staleness_lr in (("divide", "none") if n == 2 else ("divide",)):
+            yield ("parameter_server", n, staleness_lr, [LAUNCH, f"--workers={n}", "--ps=1", "--"],
+                   ["--strategy=parameter_server", f"--staleness_lr={staleness_lr}"])
 
 
 def _worker_pid(launcher_pid: int, index: int):
@@ -120,56 +134,81 @@ def run(command, timeout, straggler=None) -> dict:
     raise RunFailed("fails: no run summary in its output")
 
 
+def _spread(values: list[float]) -> str:
+    return (f"{np.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})" if len(values) > 1
+            else f"{values[0]:.3f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--workers", default="1,2,4", help="parameter_server worker counts")
     parser.add_argument("--global_batch", type=int, default=128)
     parser.add_argument("--stopped", type=float, default=0.75,
                         help="fraction of each period the straggler is stopped")
     parser.add_argument("--period", type=float, default=0.2, help="seconds")
-    parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--data_dir", default=None)
     args = parser.parse_args()
     print(hardware_header().replace("  \n", "\n"), flush=True)
-    clock, rows, eps = Clock(), [], {}
-    per_loop = max(1, args.steps // 5)
-    conditions = [("normal", None), (f"worker 1 stopped {args.stopped:.0%} of the time",
-                                      (args.stopped, args.period))]
-    for condition, straggler in conditions:
-        for engine, launcher, flags in ENGINES:
-            command = [*launcher, TRAIN, *MODELS[args.model], *flags,
-                       "--dataset=tfdist_shapes", f"--global_batch_size={args.global_batch}",
-                       f"--train_steps={args.steps}", f"--steps_per_loop={per_loop}",
-                       "--eval_every=0", "--collective_timeout_s=120",
-                       *([f"--data_dir={args.data_dir}"] if args.data_dir else [])]
-            try:
-                summary = run(command, args.timeout, straggler)
-                eps[condition, engine] = summary["examples_per_sec"]
-                mw = eps.get((condition, "multi_worker"))
-                normal = eps.get(("normal", engine))
-                per_worker = summary.get("steps_per_worker") or {}
-                staleness = summary.get("staleness_mean")
-                cells = [summary["steps"], f"{summary['examples_per_sec']:.0f}",
-                         f"{summary['accuracy']:.3f}",
-                         f"{summary['examples_per_sec'] / mw:.2f}" if mw else "-",
-                         f"{summary['examples_per_sec'] / normal:.2f}" if normal else "-",
-                         "/".join(str(v) for v in per_worker.values()) or "-",
-                         f"{staleness:.2f}" if staleness is not None else "-"]
-            except RunFailed as failure:
-                cells = [args.steps, str(failure), "-", "-", "-", "-", "-"]
-            row = [condition, engine, *cells]
+    clock, rows = Clock(), []
+    workers = [int(n) for n in args.workers.split(",")]
+    models = args.models.split(",")
+    straggler = f"worker 1 stopped {args.stopped:.0%} of the time"
+    for model in models:
+        flags, steps = MODELS[model]
+        per_loop = max(1, steps // 5)
+        plan = [("normal", None, c) for c in _configurations(workers)]
+        plan += [(straggler, (args.stopped, args.period), c) for c in _configurations([2])
+                 if c[2] in ("-", "divide")]
+        sync = {}
+        for condition, slowed, (engine, n, staleness_lr, launcher, engine_flags) in plan:
+            accuracy, speed, staleness, per_worker, failed = [], [], [], [], None
+            for seed in range(1, args.seeds + 1):
+                command = [*launcher, TRAIN, *flags, *engine_flags, "--dataset=tfdist_shapes",
+                           f"--global_batch_size={args.global_batch}", f"--train_steps={steps}",
+                           f"--steps_per_loop={per_loop}", "--eval_every=0", f"--seed={seed}",
+                           "--collective_timeout_s=120",
+                           *([f"--data_dir={args.data_dir}"] if args.data_dir else [])]
+                try:
+                    summary = run(command, args.timeout, slowed)
+                except RunFailed as failure:
+                    failed = str(failure)
+                    break
+                accuracy.append(summary["accuracy"])
+                speed.append(summary["examples_per_sec"])
+                if summary.get("staleness_mean") is not None:
+                    staleness.append(summary["staleness_mean"])
+                per_worker.append("/".join(str(v) for v in
+                                           (summary.get("steps_per_worker") or {}).values()))
+            if failed:
+                row = [model, condition, engine, n, staleness_lr, failed, "-", "-", "-", "-", "-"]
+            else:
+                if engine == "multi_worker":
+                    sync[condition] = (np.mean(accuracy), np.median(speed))
+                ref = sync.get(condition)
+                row = [model, condition, engine, n, staleness_lr, f"{np.median(speed):.0f}",
+                       _spread(accuracy),
+                       f"{100 * (np.mean(accuracy) - ref[0]):+.1f}" if ref else "-",
+                       f"{np.median(speed) / ref[1]:.2f}" if ref else "-",
+                       f"{np.mean(staleness):.2f}" if staleness else "-",
+                       ", ".join(p for p in per_worker if p) or "-"]
             rows.append(row)
             print_row(row, HEADER)
-    body = (f"2 workers on one host (multi_worker: 2 processes, each half the batch, one "
-            f"all-reduce per step; parameter_server: chief + 2 workers + 1 ps, each step one "
-            f"worker's update on the whole batch), the {args.model} "
-            f"({' '.join(MODELS[args.model])}) on tfdist_shapes, global batch "
-            f"{args.global_batch}, {args.steps} steps ({args.steps * args.global_batch} "
-            f"examples) each, {per_loop} per loop, the first loop (compiling) not timed; "
-            "accuracy: test split at the end. Straggler: worker 1's process stopped "
-            f"(SIGSTOP) {args.stopped:.0%} of every {args.period:g} s. All processes share "
-            "the host's cores.")
+    body = ("Each model on tfdist_shapes, global batch "
+            f"{args.global_batch}, the same steps under every engine (so the same examples), "
+            f"{args.seeds} seeds (`--seed=1..{args.seeds}`: initialisation and data order); "
+            + "; ".join(f"{m}: `{' '.join(MODELS[m][0])}`, {MODELS[m][1]} steps" for m in models)
+            + ". multi_worker: 2 processes, each half the batch, one all-reduce per step (the "
+            "synchronous reference: its accuracy does not depend on the worker count). "
+            "parameter_server: chief + N workers + 1 ps, each step one worker's update on the "
+            "whole batch. Accuracy: test split at the end, mean (min-max) over seeds; vs sync: "
+            "its mean less multi_worker's, in points. ex/s: median over seeds, the compiling "
+            "first loop not timed. Staleness: the updates of other workers that landed while a "
+            "step computed its gradient, mean over the run and seeds. Straggler: worker 1's "
+            f"process stopped (SIGSTOP) {args.stopped:.0%} of every {args.period:g} s. All "
+            "processes share the host's cores.")
     finish(NAME, TITLE, body, rows, HEADER, clock)
 
 
