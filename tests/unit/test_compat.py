@@ -71,6 +71,47 @@ def test_optimizer_all_reduce_check(monkeypatch):
     assert_one_line_change(raised, "_all_reduce_sum_gradients")
 
 
+def _adam_checkpoint_restores(tmp_path, name, saved, restored) -> bool:
+    """Whether an Adam checkpoint of `saved` (an optimizer) restores into
+    `restored`, both built on one variable of shape [3, 2]."""
+    for optimizer in (saved, restored):
+        optimizer.build([keras.Variable(np.ones([3, 2], np.float32))])
+    path = tf.train.Checkpoint(optimizer=saved).write(str(tmp_path / name))
+    try:
+        tf.train.Checkpoint(optimizer=restored).read(path).expect_partial()
+        return True
+    except (ValueError, tf.errors.OpError):
+        return False
+
+
+def test_learning_rate_times_keeps_the_checkpoint_of_every_engine(tmp_path):
+    from tfdist.training import schedules
+    factor = lambda: tf.constant(0.5)  # noqa: E731
+    scaled = keras.optimizers.Adam(0.01)
+    compat.learning_rate_times(scaled, factor)
+    assert float(scaled.learning_rate) == pytest.approx(0.005)
+    # A parameter server's checkpoint restores under another engine, and back.
+    assert _adam_checkpoint_restores(tmp_path, "a", scaled, keras.optimizers.Adam(0.01))
+    again = keras.optimizers.Adam(0.01)
+    compat.learning_rate_times(again, factor)
+    assert _adam_checkpoint_restores(tmp_path, "b", keras.optimizers.Adam(0.01), again)
+    # Without the patch (the factor given at construction) the rate is no
+    # variable, and the positions of the optimizer's variables shift.
+    built_with = keras.optimizers.Adam(schedules.PerUpdateFactor(0.01, factor))
+    assert not _adam_checkpoint_restores(tmp_path, "c", built_with, keras.optimizers.Adam(0.01))
+
+
+def test_learning_rate_times_check(monkeypatch):
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.learning_rate_times(types.SimpleNamespace(), lambda: 1.0)
+    assert_one_line_change(raised, "_learning_rate")
+    optimizer = keras.optimizers.Adam(0.01)
+    monkeypatch.setattr(type(optimizer), "_get_current_learning_rate", lambda self: 0.01)
+    with pytest.raises(compat.UpstreamChanged, match="no longer used by") as raised:
+        compat.learning_rate_times(optimizer, lambda: 1.0)
+    assert_one_line_change(raised, "_learning_rate")
+
+
 def test_strategy_supports_no_merge_call(monkeypatch):
     strategy = tf.distribute.MirroredStrategy(
         CPUS[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())

@@ -72,6 +72,7 @@ from tfdist.compat.keras_stages import (
 from tfdist.compat.keras_optimizers import (
     adam_slots,
     disable_optimizer_all_reduce,
+    learning_rate_times,
     optimizer_slots,
     optimizer_updates_sharded_variables,
     variable_index,
@@ -106,7 +107,8 @@ __all__ = [
     "dtensor_dataset_one_client_per_replica", "dtensor_fsdp_lowering", "functional_graph",
     "gradient_overridden", "graph_custom_gradient", "graph_function", "is_sharded",
     "keras_initializer_of", "keras_mask", "keras_name_scopes_restored", "keras_metric",
-    "keras_random_draws", "keras_seed_tensor", "keras_variable_of", "model_layers",
+    "keras_random_draws", "keras_seed_tensor", "keras_variable_of", "learning_rate_times",
+    "model_layers",
     "replace_batchnorm_moments",
     "move_variable", "next_collective_key_base", "optimizer_slots",
     "optimizer_updates_sharded_variables", "replay_functional", "set_storage",

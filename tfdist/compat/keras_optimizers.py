@@ -31,6 +31,28 @@ def disable_optimizer_all_reduce(optimizer):
     return optimizer
 
 
+def learning_rate_times(optimizer, factor) -> None:
+    """`optimizer`'s learning rate, as configured, times `factor()` per update.
+
+    What: Keras's private `Optimizer._learning_rate`, replaced on this
+    instance by a `schedules.PerUpdateFactor` of what it held (the learning
+    rate variable, or a schedule). Why: an optimizer given a schedule at
+    construction has no learning-rate variable, and Keras checkpoints an
+    optimizer's variables by position, so a checkpoint of the parameter
+    server (whose updates scale the rate by their staleness) would then not
+    restore under another engine, nor another engine's under it ("incompatible
+    tensor with shape (64, 32) ... learning_rate"). Wrapped after
+    construction, the variable stays tracked where every engine has it.
+    Verified: keras 3.15.1. Check: the attribute exists and
+    `_get_current_learning_rate` still reads it.
+    """
+    from tfdist.training.schedules import PerUpdateFactor
+    what = "keras Optimizer._learning_rate"
+    base = _require(optimizer, "_learning_rate", what)
+    _require_called(type(optimizer), "_get_current_learning_rate", "_learning_rate", what)
+    optimizer._learning_rate = PerUpdateFactor(base, factor)
+
+
 # -- parameter servers (BUILD_NOTES "ParameterServerStrategy with Keras 3") ----
 
 def optimizer_updates_sharded_variables(optimizer) -> None:

@@ -18,7 +18,9 @@ def peak_learning_rate(config: OptimizerConfig, global_batch_size: int) -> float
 def create(config: OptimizerConfig, *, global_batch_size: int, total_steps: int,
            lr_factor=None) -> keras.optimizers.Optimizer:
     """The optimizer `config` names, with its learning-rate schedule, times
-    `lr_factor()` per update where the engine gives one (`PerUpdateFactor`).
+    `lr_factor()` per update where the engine gives one (`PerUpdateFactor`,
+    installed after construction so that the optimizer's variables are those
+    of every engine: see `compat.learning_rate_times`).
 
     Clipping (`global_clipnorm`) runs inside `apply`, i.e. after the
     cross-replica sum, so every replica clips the same gradient.
@@ -28,8 +30,6 @@ def create(config: OptimizerConfig, *, global_batch_size: int, total_steps: int,
         lr = schedules.WarmupDecay(peak_learning_rate(config, global_batch_size),
                                    warmup_steps=config.warmup_steps, total_steps=total_steps,
                                    decay=config.lr_decay)
-    if lr_factor is not None:
-        lr = schedules.PerUpdateFactor(lr, lr_factor)
     common = {"global_clipnorm": config.clip_grad_norm}
     if config.name == "sgd":
         optimizer = keras.optimizers.SGD(lr, **common)
@@ -39,6 +39,8 @@ def create(config: OptimizerConfig, *, global_batch_size: int, total_steps: int,
         optimizer = keras.optimizers.Adam(lr, **common)
     else:
         optimizer = keras.optimizers.AdamW(lr, weight_decay=config.weight_decay, **common)
+    if lr_factor is not None:
+        compat.learning_rate_times(optimizer, lr_factor)
     return without_builtin_reduction(optimizer)
 
 

@@ -44,20 +44,21 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 
 
 class PerUpdateFactor(keras.optimizers.schedules.LearningRateSchedule):
-    """`base` (a schedule or a constant) times `factor()`: a float32 tensor
-    the engine computes for the update being applied, traced inside its step
-    (a parameter-server update's 1 / (1 + staleness)), or 1.0 outside one."""
+    """`base` (a schedule, a constant or the optimizer's learning-rate
+    variable) times `factor()`: a float32 tensor the engine computes for the
+    update being applied, traced inside its step (a parameter-server
+    update's 1 / (1 + staleness)), or 1.0 outside one."""
 
     def __init__(self, base, factor):
         self.base = base
         self.factor = factor
 
     def __call__(self, step):
-        base = (self.base(step) if isinstance(self.base, keras.optimizers.schedules.LearningRateSchedule)
-                else ops.convert_to_tensor(self.base, "float32"))
+        schedule = isinstance(self.base, keras.optimizers.schedules.LearningRateSchedule)
+        base = self.base(step) if schedule else ops.cast(self.base, "float32")
         return base * self.factor()
 
     def get_config(self):
-        return {"base": keras.optimizers.schedules.serialize(self.base)
-                if isinstance(self.base, keras.optimizers.schedules.LearningRateSchedule)
-                else self.base}
+        if isinstance(self.base, keras.optimizers.schedules.LearningRateSchedule):
+            return {"base": keras.optimizers.schedules.serialize(self.base)}
+        return {"base": float(ops.convert_to_numpy(self.base))}
