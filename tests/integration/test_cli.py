@@ -74,6 +74,7 @@ def _after_start_up_cases(a_file, data_dir):
         # (Before the dtensor transformer case: a failed DTensor build leaves Keras
         # state behind in this one process.)
         (["--strategy=mirrored", "--grad_compression=powersgd", "--powersgd_rank=9",
+          "--powersgd_min_compression=0",
           f"--data_dir={data_dir}", f"--model_dir={a_file.parent / 'powersgd_run'}"],
          "--powersgd_rank=9 is larger than the smaller dimension (8) of"),
         (["--strategy=dtensor", "--mesh=batch:2,model:1", "--sync_every=2",

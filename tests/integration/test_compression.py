@@ -349,3 +349,20 @@ def test_topk_with_adam_on_a_batchnorm_model_is_warned_naming_momentum():
     assert compression.accuracy_warning(topk, "momentum", cnn) is None
     assert compression.accuracy_warning(topk, "adam", mlp) is None
     assert compression.accuracy_warning(run_config().train, "adam", cnn) is None
+
+
+def test_powersgd_sums_whole_the_matrices_its_factors_would_not_shrink():
+    """PyTorch's min_compression_rate: at rank 2 and the default 2x, the
+    [192, 5] kernel (960 entries, factors 2 x 197) is compressed and the
+    [5, 5] one (25, factors 20) summed whole, as the 1-D biases are; at 0
+    both are compressed (the control); a rate nothing passes is refused."""
+    import keras
+    variables = [keras.Variable(np.zeros(shape, np.float32))
+                 for shape in ([192, 5], [5], [5, 5], [5])]
+    default = compression.PowerSGD(variables, 2, 0, min_compression=2.0)
+    assert default.compressed == [0] and default.dense == [1, 2, 3]
+    assert default.bytes_per_update(variables) == (2 * (192 + 5) + 5 + 25 + 5) * 4
+    every = compression.PowerSGD(variables, 2, 0, min_compression=0.0)
+    assert every.compressed == [0, 2] and every.dense == [1, 3]
+    with pytest.raises(UsageError, match="compresses none of the model's matrices"):
+        compression.PowerSGD(variables, 2, 0, min_compression=3.0)

@@ -132,7 +132,8 @@ def early_runs(background, tmp_path_factory, data_dir):
 # three at the same setting): no XLA compile per run.
 SHUFFLED = dict(data={"shuffle_buffer": 512}, steps_per_loop=2, checkpoint_every=4,
                 jit_compile="off")
-POWERSGD = {**SHUFFLED, "grad_compression": "powersgd", "powersgd_rank": 2}
+POWERSGD = {**SHUFFLED, "grad_compression": "powersgd", "powersgd_rank": 2,
+            "powersgd_min_compression": 0}
 TASK_CASES = ["multilabel", "tokens_ignore_class"]
 NONFINITE_MODES = ["stop", "skip", "rollback"]
 _LINE = re.compile(r"\[(\d+)\]<(stdout|stderr)>:(.*)")

@@ -85,7 +85,8 @@ CLUSTER_RUNS = {
     # every entry sent, or weights averaged after every SGD step, is plain
     # synchronous training; rank-2 PowerSGD and 5 local steps are not.
     "topk_every_entry": {"grad_compression": "topk", "topk_fraction": 1.0},
-    "powersgd": {"grad_compression": "powersgd", "powersgd_rank": 2},
+    "powersgd": {"grad_compression": "powersgd", "powersgd_rank": 2,
+                 "powersgd_min_compression": 0},
     # DGC's warm-up: the count sent changes at steps 2, 4, 6 and 8.
     "topk_warmup": {"grad_compression": "topk", "topk_fraction": 0.01,
                     "compression_warmup_steps": 8},

@@ -88,7 +88,13 @@ class TrainConfig:
     powersgd_rank: int = option(
         4, lower=1, check=positive, group=NETWORK, math=True, engines=REPLICA_STATE,
         help="--grad_compression=powersgd: the rank of each matrix's factors (at most its "
-             "smaller dimension).")
+             "smaller dimension, for a matrix it compresses).")
+    powersgd_min_compression: float = option(
+        2.0, lower=0, check=finite_non_negative, group=NETWORK, math=True, engines=REPLICA_STATE,
+        help="--grad_compression=powersgd: a matrix is compressed only where its rank "
+             "--powersgd_rank factors are at least this many times smaller than it "
+             "(n*m >= this * rank * (n+m); PyTorch's min_compression_rate); the others are "
+             "summed whole, as 1-D tensors are. 0: every matrix.")
     topk_fraction: float = option(
         0.01, check=_fraction, group=NETWORK, math=True, engines=REPLICA_STATE,
         help="--grad_compression=topk: the share of each matrix's entries each replica sends "

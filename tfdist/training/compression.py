@@ -12,7 +12,8 @@ every replica.
 - `powersgd` (`PowerSGD`, Vogels et al. 2019): each matrix's sum sent as
   rank-r factors P [n, r] and Q [m, r] (a tensor of more than 2 dimensions
   as the most nearly square matrix, `matrices.matrix_shape`) in two all-reduces,
-  with error feedback and Q warm-started from the last update.
+  with error feedback and Q warm-started from the last update; a matrix its
+  factors would not make `min_compression` times smaller is summed whole.
 - `topk` (`TopK`, deep gradient compression, Lin et al. 2018): each replica
   sends the largest `fraction` of each matrix's entries (values and indices,
   all-gathered), keeps the rest as error feedback, and with momentum SGD
@@ -163,10 +164,24 @@ class PowerSGD(StatefulExchange):
 
     name = "powersgd"
 
-    def __init__(self, variables, rank: int, seed: int, *, warmup_updates: int = 0):
+    def __init__(self, variables, rank: int, seed: int, *, warmup_updates: int = 0,
+                 min_compression: float = 0.0):
         super().__init__(variables)
         self.rank, self.seed, self.warmup_updates = rank, seed, warmup_updates
         self._compressing = not warmup_updates
+        # A matrix whose factors would not be `min_compression` times smaller
+        # than it is summed whole (PyTorch's min_compression_rate).
+        small = [i for i in self.compressed
+                 if math.prod(matrix_shape(self.variables[i].shape))
+                 < min_compression * rank * sum(matrix_shape(self.variables[i].shape))]
+        if small and len(small) == len(self.compressed):
+            raise UsageError(
+                f"--grad_compression=powersgd --powersgd_rank={rank} compresses none of the "
+                f"model's matrices: none is {min_compression:g}x larger than its rank-{rank} "
+                "factors (--powersgd_min_compression); use a lower --powersgd_rank or "
+                "--powersgd_min_compression")
+        self.compressed = [i for i in self.compressed if i not in small]
+        self.dense = sorted(self.dense + small)
         for i in self.compressed:
             n, m = matrix_shape(self.variables[i].shape)
             if rank > min(n, m):
@@ -401,7 +416,8 @@ def create(train_config, variables, optimizer):
     tc = train_config
     if tc.grad_compression == "powersgd":
         return PowerSGD(variables, tc.powersgd_rank, tc.seed,
-                        warmup_updates=tc.compression_warmup_steps)
+                        warmup_updates=tc.compression_warmup_steps,
+                        min_compression=tc.powersgd_min_compression)
     if tc.grad_compression == "topk":
         return TopK(variables, tc.topk_fraction, warmup_updates=tc.compression_warmup_steps,
                     momentum=_MOVED_MOMENTUM.get(optimizers.inner(optimizer), 0.0))
