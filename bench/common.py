@@ -62,6 +62,7 @@ SECTIONS = ("vs_fit", "features", "scaling", "horovod_vs_multi_worker", "allredu
             "depthwise", "dtensor_init", "input_order", "soak", "parameter_server", "staleness_sim",
             "slow_link",
             "compression_accuracy_cnn", "compression_accuracy_transformer",
+            "compression_accuracy_transformer_adam0.001",
             "planner", "planner_memory", "planner_link")
 
 

@@ -14,12 +14,13 @@ steps:
 
 - none: gradients summed uncompressed;
 - powersgd r4: `--grad_compression=powersgd --powersgd_rank=4`;
+- powersgd16 (r16): `--grad_compression=powersgd --powersgd_rank=16`;
 - topk 1%: `--grad_compression=topk --topk_fraction=0.01`;
 
 with `--optimizer=momentum` (0.9, learning rate 0.05 on the cnn, 0.1 on the
 transformer: the optimizer of the PowerSGD and deep gradient compression
 papers; top-k applies the momentum before sparsifying) or `--optimizer=adam`
-(learning rate 0.003, the demo's and slow_link's).
+(learning rate 0.003, the demo's and slow_link's; `--adam_lr` another).
 
 Per run: the test accuracy with the moving statistics as trained (what
 `tfdist-train` reports) and, for a model with BatchNorm, with them
@@ -48,6 +49,7 @@ import common  # noqa: E402
 CONFIGS = {
     "none": ("none", {}),
     "powersgd": ("powersgd r4", {"grad_compression": "powersgd", "powersgd_rank": 4}),
+    "powersgd16": ("powersgd r16", {"grad_compression": "powersgd", "powersgd_rank": 16}),
     "topk": ("topk 1%", {"grad_compression": "topk", "topk_fraction": 0.01}),
 }
 MODELS = {   # model flags, global batch, momentum's learning rate
@@ -76,7 +78,7 @@ def child(spec: dict) -> None:
         data=tfdist.DataConfig(dataset=dataset),
         optimizer=tfdist.OptimizerConfig(
             name=spec["optimizer"],
-            learning_rate=momentum_lr if spec["optimizer"] == "momentum" else ADAM_LR),
+            learning_rate=momentum_lr if spec["optimizer"] == "momentum" else spec["adam_lr"]),
         train=tfdist.TrainConfig(global_batch_size=batch, train_steps=steps,
                                  steps_per_loop=steps // 6, eval_every=steps // 6,
                                  seed=spec["seed"], **CONFIGS[spec["config"]][1]))
@@ -120,9 +122,9 @@ def child(spec: dict) -> None:
 
 
 def run(model: str, optimizer: str, config: str, seed: int, steps: int,
-        timeout: float) -> dict:
+        timeout: float, adam_lr: float = ADAM_LR) -> dict:
     spec = json.dumps({"model": model, "optimizer": optimizer, "config": config, "seed": seed,
-                       "steps": steps})
+                       "steps": steps, "adam_lr": adam_lr})
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     done = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=common.REPO)
@@ -142,6 +144,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--adam_lr", type=float, default=ADAM_LR,
+                        help="Adam's learning rate (another than the default writes its own "
+                             "section, compression_accuracy_<model>_adam<lr>)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -155,8 +160,8 @@ def main() -> None:
     for optimizer in args.optimizers.split(","):
         results = {}
         for config in args.configs.split(","):
-            results[config] = [run(args.model, optimizer, config, seed, args.steps, args.timeout)
-                               for seed in seeds]
+            results[config] = [run(args.model, optimizer, config, seed, args.steps, args.timeout,
+                                   args.adam_lr) for seed in seeds]
             for seed, r in zip(seeds, results[config]):
                 print(f"{optimizer} {config} seed {seed}: {json.dumps(r)}", flush=True)
         none = results.get("none")
@@ -177,13 +182,16 @@ def main() -> None:
     fields, dataset, batch, momentum_lr = MODELS[args.model]
     body = (f"The {args.model} ({fields}) on {dataset} under mirrored over 2 virtual "
             f"devices, global batch {batch}, {args.steps} steps, seeds {args.seeds}; momentum "
-            f"0.9 at learning rate {momentum_lr}, Adam at {ADAM_LR}. \"re-estimated "
+            f"0.9 at learning rate {momentum_lr}, Adam at {args.adam_lr:g}. \"re-estimated "
             "statistics\": the same weights with each BatchNorm's moving statistics replaced "
             "by the mean of its batch statistics over 20 training batches (a model without "
             "BatchNorm: as reported).\n\n" + common.markdown_table(rows, header))
-    print(common.write_section(f"compression_accuracy_{args.model}",
-                               f"Gradient compression's accuracy on the {args.model} "
-                               "(bench/compression_accuracy.py)", body))
+    other_lr = args.adam_lr != ADAM_LR
+    print(common.write_section(
+        f"compression_accuracy_{args.model}" + (f"_adam{args.adam_lr:g}" if other_lr else ""),
+        f"Gradient compression's accuracy on the {args.model}"
+        + (f" with Adam at {args.adam_lr:g}" if other_lr else "")
+        + " (bench/compression_accuracy.py)", body))
 
 
 if __name__ == "__main__":
