@@ -107,6 +107,7 @@ bench: $(STAMP) iproute2
 	$(BIN)/python bench/dtensor_init.py
 	$(BIN)/python bench/input_order.py
 	$(BIN)/python bench/parameter_server.py
+	$(BIN)/python bench/staleness_sim.py
 	$(BIN)/python bench/slow_link.py
 
 # Every Keras 3 built-in layer with weights trained under dtensor on four meshes
