@@ -46,14 +46,18 @@ def test_a_users_subclassed_model_is_planned_by_measurement(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("PLAN ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     plan = json.loads(lines[-1][len("PLAN "):])
-    tried = [r for r in plan["rows"] if r["status"] in ("chosen", "tried")]
+    # One device's candidates are measured by the calibration runs themselves
+    # (their peak only where the run was its process's first): a trial each.
+    tried = [r for r in plan["rows"]
+             if r["status"] in ("chosen", "tried", "measured in calibration")]
     assert len(tried) >= 3, plan["rows"][:6]
     assert len({r["candidate"].split()[0] for r in tried}) >= 3   # engines, not variants
     chosen = [r for r in tried if r["status"] == "chosen"]
     assert chosen == [max(tried, key=lambda r: r["measured_examples_per_sec"])]
     for row in tried:
-        assert _within_rule(row["predicted_gib"], row["measured_gib"],
-                            plan["runtime"][row["candidate"]]), row
+        if row["measured_gib"] is not None or row["status"] != "measured in calibration":
+            assert _within_rule(row["predicted_gib"], row["measured_gib"],
+                                plan["runtime"][row["candidate"]]), row
     # A subclassed model has no graph to split: no pipeline candidate, and why.
     assert not any(r["candidate"].startswith("pipeline") for r in plan["rows"])
     assert all(isinstance(reason, str) for reason in plan["splits"].values())
