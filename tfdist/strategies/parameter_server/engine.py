@@ -363,7 +363,7 @@ class ParameterServerStrategy(Strategy, ScheduledSteps, ServingProcesses):
 
     def _account(self, steps) -> None:
         """Staleness and steps per worker of one loop's steps."""
-        staleness = [max(0, s) for s, _ in steps]
+        staleness = [s for s, _ in steps]   # >= 0 already (`_staleness_after`)
         for _, worker in steps:
             self._steps_by_worker[worker] += 1
         self._staleness_sum += sum(staleness)
