@@ -16,6 +16,7 @@ steps:
 - powersgd r4: `--grad_compression=powersgd --powersgd_rank=4`;
 - powersgd16 (r16): `--grad_compression=powersgd --powersgd_rank=16`;
 - topk 1%: `--grad_compression=topk --topk_fraction=0.01`;
+- topk10 (10%): `--grad_compression=topk --topk_fraction=0.1`;
 
 with `--optimizer=momentum` (0.9, learning rate 0.05 on the cnn, 0.1 on the
 transformer: the optimizer of the PowerSGD and deep gradient compression
@@ -51,6 +52,7 @@ CONFIGS = {
     "powersgd": ("powersgd r4", {"grad_compression": "powersgd", "powersgd_rank": 4}),
     "powersgd16": ("powersgd r16", {"grad_compression": "powersgd", "powersgd_rank": 16}),
     "topk": ("topk 1%", {"grad_compression": "topk", "topk_fraction": 0.01}),
+    "topk10": ("topk 10%", {"grad_compression": "topk", "topk_fraction": 0.1}),
 }
 MODELS = {   # model flags, global batch, momentum's learning rate
     "cnn": (dict(name="cnn", width=16), "tfdist_shapes", 128, 0.05),

@@ -1,8 +1,10 @@
 """Training across a slow network: gradient compression and local SGD on a
 shaped link between two "hosts".
 
-    sudo .venv/bin/python bench/slow_link.py [--configs none,bf16,powersgd,topk,localsgd]
-        [--rates 1gbit,100mbit] [--steps 24] [--width 256] [--delay 1ms] [--quick]
+    sudo .venv/bin/python bench/slow_link.py
+        [--configs none,bf16,powersgd,powersgd16,topk,topk10,localsgd]
+        [--rates 1gbit,100mbit] [--steps 24] [--width 256] [--delay 1ms]
+        [--learning_rate 0.001] [--accuracy_steps 400] [--warmup_fraction 0] [--quick]
 
 The two hosts are two network namespaces joined by a veth pair
 (tests/netns.py `Link`), each direction limited by a `tbf` qdisc on its end
@@ -11,13 +13,14 @@ at least 64 KiB). A `--delay` is added with `netem` where the kernel has it;
 where `tc` refuses netem, the bench says why in one line and runs without
 delay. One `tfdist-train --strategy=multi_worker --worker_hosts=... --task_index=i`
 worker runs in each namespace, training the transformer on tfdist_tokens
-(--model_width=--width, depth 2, global batch --batch (64), learning rate 0.003,
-8 steps per loop, XLA as --jit_compile=auto picks), for each configuration:
+(--model_width=--width, depth 2, global batch --batch (64), Adam at
+--learning_rate (0.001), 8 steps per loop, XLA as --jit_compile=auto picks),
+for each configuration:
 
 - none: gradients all-reduced in float32;
 - bf16: `--grad_compression=bf16` (cast for the sum);
-- powersgd r4: `--grad_compression=powersgd --powersgd_rank=4`;
-- topk 1%: `--grad_compression=topk --topk_fraction=0.01`;
+- powersgd r4, powersgd r16: `--grad_compression=powersgd --powersgd_rank=4` (16);
+- topk 1%, topk 10%: `--grad_compression=topk --topk_fraction=0.01` (0.1);
 - local SGD K=8: `--sync_every=8` (weights averaged every 8 steps).
 
 A configuration this tfdist-train does not know (it exits 2 on the flag)
@@ -55,20 +58,27 @@ What each row reports, for each rate:
 Then the accuracy phase (`--accuracy_steps`, default 400; 0 skips it): each
 configuration trains that many steps once more on the unshaped link (the
 accuracy of an exchange does not depend on the link's rate), evaluated every
-eighth of them; `powersgd` and `topk` with a compression warm-up over the
-first quarter (`--compression_warmup_steps`: PowerSGD sums uncompressed first,
-as PyTorch's `start_powerSGD_iter`; top-k's density falls from 25% in DGC's
-four stages). Its table gives each configuration's final test accuracy, the
-difference to `none` in percentage points, and the first evaluation at which
-it came within 0.5 pp of `none`'s final accuracy (the issue's parity).
+eighth of them; with --warmup_fraction > 0, the compressions warm up over
+that share of the steps (`--compression_warmup_steps`: PowerSGD sums
+uncompressed first, as PyTorch's `start_powerSGD_iter`; top-k's density falls
+from 25% in DGC's four stages). Its table gives each configuration's final
+test accuracy, the difference to `none` in percentage points, and the first
+evaluations at which it came within 0.5 pp (parity) and within 2 pp of
+`none`'s final accuracy. Last, the time to accuracy at each rate: those steps
+times the configuration's seconds per step measured on that shaped link
+(training steps only: start-up, compilation and evaluation excluded; warm-up
+steps at none's seconds per step). The link decides when the bytes arrive,
+not what is summed, so the steps to an accuracy are the same at every rate
+and are measured once, unshaped.
 
 The default width 256 (1.63 M parameters, 6.5 MB of float32 gradients,
 13.1 MB over the link per uncompressed step) makes the uncompressed run
-link-bound at 100mbit, measured: the link carries data for 0.7 of its step
-time (the step's compute does not overlap it) and it trains 3.4-3.7x slower
-than at 1gbit, where the link is busy 0.25 of the time and compute bounds it.
-Figures: bench/results/slow_link.md. 8-10.5 minutes at the defaults on
-this 2-core EPYC, 6 with --quick (most of a run is TensorFlow's start-up and
+link-bound at 100mbit, measured: the link carries data for 0.6-0.7 of its
+step time (the step's compute does not overlap it) and it trains 2.8-3.7x
+slower than at 1gbit, where the link is busy 0.17-0.25 of the time and
+compute bounds it. Figures: bench/results/slow_link.md. About 40 minutes at
+the defaults on a 2-core Xeon (seven configurations: 28 shaped runs and 7 of
+400 steps), 6 with --quick (most of a shaped run is TensorFlow's start-up and
 XLA compilation, ~20 s, twice per row); the step rates are noisy when the
 machine is shared, the bytes repeat to 0.2%.
 
@@ -101,7 +111,9 @@ CONFIGS = {   # --configs name: (row label, flags)
     "none": ("none", []),
     "bf16": ("bf16", ["--grad_compression=bf16"]),
     "powersgd": ("powersgd r4", ["--grad_compression=powersgd", "--powersgd_rank=4"]),
+    "powersgd16": ("powersgd r16", ["--grad_compression=powersgd", "--powersgd_rank=16"]),
     "topk": ("topk 1%", ["--grad_compression=topk", "--topk_fraction=0.01"]),
+    "topk10": ("topk 10%", ["--grad_compression=topk", "--topk_fraction=0.1"]),
     "localsgd": ("local SGD K=8", ["--sync_every=8"]),
 }
 PREFIX = "slow"   # namespaces slowns0/slowns1, veth slowv0/slowv1: fixed, so left-overs are found
@@ -113,12 +125,15 @@ QUIET_BYTES = 4000        # a sample interval with at most this much is quiet
 QUIET_STRETCH_S = 2.0     # idle: quiet stretches at least this long
 HEADER = ["rate", "config", "ex/s", "speed-up", "MB/step", "per worker (x model)",
           "bytes reduction", "link busy", "test acc", "idle B/s"]
-# The accuracy phase: each configuration as the papers run it, with a
-# compression warm-up over the first quarter of the steps (PowerSGD: summed
-# uncompressed, PyTorch's start_powerSGD_iter; top-k: DGC's density warm-up).
-WARMED = ("powersgd", "topk")
+# The accuracy phase: compressions that may warm up (--warmup_fraction;
+# PowerSGD: summed uncompressed, PyTorch's start_powerSGD_iter; top-k: DGC's
+# density warm-up).
+WARMED = ("powersgd", "powersgd16", "topk", "topk10")
 ACCURACY_HEADER = ["config", "steps", "test acc", "vs none (pp)", "within 0.5 pp of none's "
-                   "final from step", "evaluations (step: acc)"]
+                   "final from step", "within 2 pp from step", "evaluations (step: acc)"]
+TIME_HEADER = ["rate", "config", "s/step", "steps to parity", "time to parity (s)",
+               "vs none", "steps to -2 pp", "time to -2 pp (s)", "vs none (-2 pp)"]
+PARITY, NEAR = 0.005, 0.02   # "reached": within 0.5 and within 2 points of none's final
 _EVALUATION = re.compile(r"\] step (\d+)/\d+ .*test_accuracy=([0-9.]+)")
 
 
@@ -128,7 +143,8 @@ class RunFailed(Exception):
 
 def model_flags(args) -> list:
     return ["--model=transformer", "--dataset=tfdist_tokens", f"--model_width={args.width}",
-            "--model_depth=2", f"--global_batch_size={args.batch}", "--learning_rate=0.003",
+            "--model_depth=2", f"--global_batch_size={args.batch}",
+            f"--learning_rate={args.learning_rate}",
             f"--steps_per_loop={LOOP}", "--collective_timeout_s=120"]
 
 
@@ -215,8 +231,8 @@ def accuracy_curve(link, directory, args, name) -> list:
     steps = args.accuracy_steps
     flags = [*model_flags(args), *CONFIGS[name][1], f"--eval_every={steps // 8}",
              f"--train_steps={steps}"]
-    if name in WARMED:
-        flags.append(f"--compression_warmup_steps={steps // 4}")
+    if name in WARMED and warmup_steps(args):
+        flags.append(f"--compression_warmup_steps={warmup_steps(args)}")
     workers = netns.Workers(link, directory, [*flags, f"--model_dir={directory}/acc-{name}"],
                             port=PORT)
     workers.start(f"accuracy-{name}")
@@ -246,22 +262,62 @@ def evaluations(logged: list, every: int) -> list:
     return sorted(found.items())
 
 
+def warmup_steps(args) -> int:
+    return int(args.accuracy_steps * args.warmup_fraction)
+
+
+def reached(curves: dict, name: str, within: float):
+    """The first evaluated step of `name` within `within` of none's final
+    test accuracy, or None."""
+    if not curves.get("none") or not curves.get(name):
+        return None
+    target = curves["none"][-1][1] - within
+    return next((step for step, accuracy in curves[name] if accuracy >= target), None)
+
+
 def accuracy_rows(curves: dict) -> list:
     """One row per configuration: its final accuracy, the difference to
-    none's, and the first evaluation within 0.5 pp of none's final accuracy."""
+    none's, and the first evaluations within 0.5 pp and 2 pp of none's final."""
     target = curves["none"][-1][1] if curves.get("none") else None
     rows = []
     for name, curve in curves.items():
         if not curve:
-            rows.append([CONFIGS[name][0], "", "n/a", "", "", ""])
+            rows.append([CONFIGS[name][0], "", "n/a", "", "", "", ""])
             continue
         step, final = curve[-1]
-        reached = next((s for s, a in curve if target is not None and a >= target - 0.005),
-                       None)
+        found = [reached(curves, name, within) for within in (PARITY, NEAR)]
         rows.append([CONFIGS[name][0], step, f"{final:.4f}",
                      f"{100 * (final - target):+.1f}" if target is not None else "",
-                     reached if reached is not None else f"not within {step}",
+                     *(f if f is not None else f"not within {step}" for f in found),
                      " ".join(f"{s}:{a:.3f}" for s, a in curve)])
+    return rows
+
+
+def time_rows(args, curves: dict, speeds: dict) -> list:
+    """Time to accuracy per rate: the steps each configuration needed (on
+    the unshaped link) times its seconds per step on the shaped link (the
+    same computation at any rate: the link changes when bytes arrive, not
+    what is summed). Steps of a compression warm-up are counted at none's
+    seconds per step (PowerSGD's sums uncompressed; top-k's sends more than
+    its final density)."""
+    rows = []
+    for rate, by_name in speeds.items():
+        none_s = by_name.get("none")
+        times = {}
+        for name, step_s in by_name.items():
+            row = [rate, CONFIGS[name][0], f"{step_s:.3f}"]
+            for within in (PARITY, NEAR):
+                step = reached(curves, name, within)
+                warm = min(step or 0, warmup_steps(args)) if name in WARMED else 0
+                if step is None or (warm and none_s is None):
+                    row += [f"not within {args.accuracy_steps}" if curves.get(name) else "n/a",
+                            "", ""]
+                    continue
+                seconds = warm * (none_s or 0.0) + (step - warm) * step_s
+                times[name, within] = seconds
+                base = times.get(("none", within))
+                row += [step, f"{seconds:.0f}", f"{base / seconds:.2f}x" if base else ""]
+            rows.append(row)
     return rows
 
 
@@ -287,11 +343,19 @@ def main() -> None:
                              "bytes, a more link-bound run)")
     parser.add_argument("--delay", default="1ms", help="netem delay per direction, if netem exists")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--learning_rate", type=float, default=0.001,
+                        help="Adam's learning rate (at 0.003 PowerSGD and top-k lose 21-22 "
+                             "points on this transformer, at 0.001 rank-16 PowerSGD 0.3: "
+                             "bench/results/compression_accuracy_transformer_adam0.001.md)")
     parser.add_argument("--accuracy_steps", type=int, default=400,
                         help="then train each configuration this many steps on the unshaped "
-                             "link (0: skip) and report test accuracy every eighth of them "
-                             "(powersgd and topk with a compression warm-up over the first "
-                             "quarter)")
+                             "link (0: skip) and report test accuracy every eighth of them, "
+                             "and the time each needs to reach none's final accuracy at each "
+                             "rate")
+    parser.add_argument("--warmup_fraction", type=float, default=0.0,
+                        help="the accuracy phase's --compression_warmup_steps for powersgd "
+                             "and topk, as a fraction of --accuracy_steps (0.25: the papers' "
+                             "way; counted at none's step time in the time to accuracy)")
     parser.add_argument("--quick", action="store_true",
                         help="100mbit only, 8 measured steps, no accuracy phase (about 6 minutes)")
     args = parser.parse_args()
@@ -324,9 +388,11 @@ def main() -> None:
     try:
         link.create()
         with tempfile.TemporaryDirectory() as directory:
+            speeds = {}
             for rate in rates:
                 link.shape(rate, delay=delay)
                 none = None
+                speeds[rate] = {}
                 for name in names:
                     label = CONFIGS[name][0]
                     try:
@@ -336,6 +402,9 @@ def main() -> None:
                     else:
                         none = result if name == "none" else none
                         rows.append(row(rate, label, result, none))
+                        summary = result["summary"]
+                        speeds[rate][name] = (summary["global_batch_size"]
+                                              / summary["examples_per_sec"])
                     print_row(rows[-1], HEADER)
             curves = {}
             if args.accuracy_steps:
@@ -349,8 +418,8 @@ def main() -> None:
                     print(f"accuracy {name}: {curves[name]}", flush=True)
     finally:
         link.delete()
-    model = (f"transformer width {args.width}, depth 2, global batch {args.batch}, {LOOP} steps "
-             "per loop")
+    model = (f"transformer width {args.width}, depth 2, global batch {args.batch}, Adam at "
+             f"{args.learning_rate}, {LOOP} steps per loop")
     description = (
         f"Two multi_worker workers in two network namespaces over a veth pair shaped with tbf "
         f"({model}; {args.steps} measured steps: the difference of a {LOOP}- and a "
@@ -361,10 +430,22 @@ def main() -> None:
     if args.accuracy_steps:
         accuracy = accuracy_rows(curves)
         print(table(accuracy, ACCURACY_HEADER))
+        warm = (f"powersgd and topk with --compression_warmup_steps={warmup_steps(args)}"
+                if warmup_steps(args) else "no compression warm-up")
         description += (
             f"\n\nAccuracy ({args.accuracy_steps} steps of the same configurations on the "
-            f"unshaped link; powersgd and topk with --compression_warmup_steps="
-            f"{args.accuracy_steps // 4}):\n\n" + markdown_table(accuracy, ACCURACY_HEADER))
+            f"unshaped link; {warm}):\n\n" + markdown_table(accuracy, ACCURACY_HEADER))
+        timed = time_rows(args, curves, speeds)
+        print(table(timed, TIME_HEADER))
+        description += (
+            "\n\nTime to accuracy: the steps above (the first evaluation within 0.5 pp, "
+            "and within 2 pp, of none's final test accuracy) times each configuration's "
+            "seconds per step on the shaped link (the timed loops' examples/s; start-up, "
+            "compilation and evaluation not counted; the link changes when bytes arrive, not "
+            "what is summed, so the steps are the same at every rate"
+            + ("; warm-up steps at none's seconds per step" if warmup_steps(args) else "")
+            + "). `vs none`: none's time / this one's.\n\n"
+            + markdown_table(timed, TIME_HEADER))
     finish("slow_link", "Training across a slow link (bench/slow_link.py)", description, rows,
            HEADER, clock)
 
