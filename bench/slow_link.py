@@ -309,9 +309,12 @@ def time_rows(args, curves: dict, speeds: dict) -> list:
             for within in (PARITY, NEAR):
                 step = reached(curves, name, within)
                 warm = min(step or 0, warmup_steps(args)) if name in WARMED else 0
-                if step is None or (warm and none_s is None):
+                if step is None:
                     row += [f"not within {args.accuracy_steps}" if curves.get(name) else "n/a",
                             "", ""]
+                    continue
+                if warm and none_s is None:   # warm-up steps need none's step time
+                    row += [step, "n/a (none not measured)", ""]
                     continue
                 seconds = warm * (none_s or 0.0) + (step - warm) * step_s
                 times[name, within] = seconds
