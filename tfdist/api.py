@@ -426,7 +426,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     convolution_share = flops.convolution_share(by_op)
     jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share,
                             bool(tc.reduce_bucket_mb))
-    jit_level = batchnorm.synchronize(tc, strategy, model, jit_level)
+    jit_level = batchnorm.prepare(tc, strategy, model, jit_level)
     peak_tflops = peak.precision_peak_tflops(tc.precision, measure=strategy.is_chief) \
         if flops_per_example else None
     trainer = Trainer(config=config, strategy=strategy, model=model, optimizer=optimizer,

@@ -910,3 +910,125 @@ def test_replace_batchnorm_moments_check(monkeypatch):
     with pytest.raises(compat.UpstreamChanged) as raised:
         compat.replace_batchnorm_moments(keras.layers.BatchNormalization(), None)
     assert_one_line_change(raised, "_moments")
+
+
+def _batchnorm_pair(dtype, shape):
+    """Two identical built BatchNormalization layers (gamma, beta, moving
+    statistics away from their initial values), the second fused."""
+    pair = []
+    for _ in range(2):
+        layer = keras.layers.BatchNormalization(momentum=0.8, dtype=dtype)
+        layer.build(shape)
+        for variable, value in zip((layer.gamma, layer.beta, layer.moving_mean,
+                                    layer.moving_variance), (1.3, -0.4, 0.2, 1.7)):
+            variable.assign(np.linspace(value, 2 * value, 5))
+        pair.append(layer)
+    assert compat.fuse_batchnorm(pair[1])
+    return pair
+
+
+@pytest.mark.parametrize("dtype,shape", [("float32", (6, 3, 2, 5)), ("float32", (12, 5)),
+                                         ("mixed_bfloat16", (6, 3, 2, 5))])
+def test_fuse_batchnorm(dtype, shape):
+    """The fused layer's step runs TensorFlow's fused kernels (the control: Keras's
+    own runs none) and computes what Keras's does: output, gradients of the input,
+    gamma and beta, the moving statistics after a training call, and the inference
+    output. Tolerances: float32, two computation orders of the same moments (1e-4);
+    mixed_bfloat16, Keras casts its float32 result to bfloat16 and the kernel writes
+    bfloat16 directly, so outputs and input gradients may differ by one bfloat16
+    step (2^-8 relative), and the float32 statistics by float32 rounding."""
+    x = tf.constant(np.random.default_rng(1).normal(1.5, 2.0, shape), "float32")
+    tight = dict(rtol=1e-4, atol=1e-4)
+    loose = dict(rtol=2e-2, atol=2e-2) if dtype == "mixed_bfloat16" else tight
+    results, graphs = [], []
+    for layer in _batchnorm_pair(dtype, shape):
+        @tf.function
+        def step(layer=layer):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+                loss = tf.reduce_sum(tf.cast(y, "float32") * tf.range(5, dtype="float32"))
+            grads = tape.gradient(loss, [x, layer.gamma, layer.beta])
+            return y, grads
+        graphs.append({op.type for op in step.get_concrete_function().graph.get_operations()})
+        y, (dx, dgamma, dbeta) = step()
+        results.append(dict(y=(y, loose), dx=(dx, loose), dgamma=(dgamma, loose),
+                            dbeta=(dbeta, tight), mean=(layer.moving_mean, tight),
+                            variance=(layer.moving_variance, tight),
+                            inference=(layer(x, training=False), loose)))
+    assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= graphs[1]
+    assert not {"FusedBatchNormV3", "FusedBatchNormGradV3"} & graphs[0]
+    for name, (keras_value, tolerance) in results[0].items():
+        fused_value = results[1][name][0]
+        np.testing.assert_allclose(np.asarray(tf.cast(fused_value, "float32")),
+                                   np.asarray(tf.cast(keras_value, "float32")),
+                                   err_msg=name, **tolerance)
+
+
+def test_fuse_batchnorm_tracks_the_biased_variance_as_keras_does():
+    """The kernel's own batch variance is Bessel-corrected, Keras tracks the biased
+    one: on this probe the two differ by more than the tolerance above (the control
+    showing `test_fuse_batchnorm` would catch a missing correction)."""
+    x = np.random.default_rng(1).normal(1.5, 2.0, (4, 5)).astype("float32")
+    _, _, corrected = tf.compat.v1.nn.fused_batch_norm(
+        x.reshape(4, 1, 1, 5), tf.ones([5]), tf.zeros([5]), is_training=True)
+    np.testing.assert_allclose(np.asarray(corrected), x.var(axis=0) * 4 / 3, rtol=1e-5)
+    assert not np.allclose(np.asarray(corrected), x.var(axis=0), rtol=1e-4, atol=1e-4)
+
+
+def test_fuse_batchnorm_leaves_what_the_kernel_cannot_do_to_keras():
+    """Not replaced: renorm, synchronized statistics, a subclass's own call; replaced
+    but calling Keras's own: a mask, a channel axis other than the last."""
+    assert not compat.fuse_batchnorm(keras.layers.BatchNormalization(renorm=True))
+
+    class Own(keras.layers.BatchNormalization):
+        def call(self, inputs, training=None, mask=None):
+            return super().call(inputs, training=training, mask=mask)
+
+    for layer in (keras.layers.BatchNormalization(synchronized=True), Own()):
+        layer.build((None, 5))
+        assert not compat.fuse_batchnorm(layer)
+    x = tf.constant(np.random.default_rng(2).normal(size=(4, 5, 3)), "float32")
+    mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2] * 2)
+    for kwargs, call in ((dict(), dict(mask=mask)), (dict(axis=1), dict())):
+        keras_layer, fused_layer = [keras.layers.BatchNormalization(**kwargs) for _ in "kf"]
+        for layer in (keras_layer, fused_layer):
+            layer.build(x.shape)
+        assert compat.fuse_batchnorm(fused_layer)
+        np.testing.assert_array_equal(np.asarray(fused_layer(x, training=True, **call)),
+                                      np.asarray(keras_layer(x, training=True, **call)))
+
+
+def test_fuse_batchnorm_check(monkeypatch):
+    from tfdist.compat import keras_internals
+    monkeypatch.setattr(keras_internals, "_CHECKED", set())
+    keras_call = keras.layers.BatchNormalization.call
+    monkeypatch.setattr(keras.layers.BatchNormalization, "call",
+                        lambda self, inputs, training=None, mask=None:
+                        keras_call(self, inputs, training=training, mask=mask) * 2.0)
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 5))
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.fuse_batchnorm(layer)
+    assert_one_line_change(raised, "BatchNormalization.call")
+
+
+def test_fuse_batchnorm_check_makes_no_variable_of_the_callers():
+    """The check's probe layers are made on a thread of their own: a variable
+    creator of the caller's (as engines install) sees none of them; the
+    control: the same probe on the caller's thread is seen."""
+    from tfdist.compat import keras_internals
+    seen = []
+
+    def creator(next_creator, **kwargs):
+        seen.append(kwargs.get("name"))
+        return next_creator(**kwargs)
+
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 5))
+    with tf.variable_creator_scope(creator):
+        keras_internals._CHECKED.discard("fused-batchnorm")
+        assert compat.fuse_batchnorm(layer)
+        assert seen == []
+        keras_internals._probe_fused_batchnorm()
+    assert seen

@@ -92,6 +92,10 @@ class Strategy(abc.ABC):
     supports_xla: bool = True
     supports_xla_reason: str = ""
     xla_whole_step: bool = False
+    # Whether the step may use the fused kernels tfdist puts in place of Keras's
+    # composite ops (--fused_batchnorm): an engine that lays out every op
+    # itself needs a rule for each.
+    fused_kernels: bool = True
     # Replicas of this process that are logical devices of one CPU, sharing
     # its cores (mirrored over --virtual_devices): a test vehicle, not a
     # speed-up (docs/guides/default-and-mirrored.md).

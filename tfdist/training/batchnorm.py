@@ -44,6 +44,15 @@ def layers(model) -> list:
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 
+def prepare(train_config, strategy, model, jit_level: str) -> str:
+    """After the model is built, before its step is traced: the statistics
+    made global where asked (`synchronize`), the other layers fused (`fuse`);
+    returns the XLA level."""
+    jit_level = synchronize(train_config, strategy, model, jit_level)
+    fuse(train_config, strategy, model)
+    return jit_level
+
+
 def synchronize(train_config, strategy, model, jit_level: str) -> str:
     """After the model is built, before its step is traced: the engine makes
     the statistics global where asked (by the flag, or by a layer the user
@@ -66,6 +75,20 @@ def synchronize(train_config, strategy, model, jit_level: str) -> str:
                        "BatchNorm statistics' all-reduce sits in the forward pass)")
         return xla.OPTIMIZER
     return jit_level
+
+
+def fuse(train_config, strategy, model) -> None:
+    """With --fused_batchnorm (the default), every BatchNormalization layer
+    whose statistics are its replica's own normalises with TensorFlow's fused
+    kernel (`compat.fuse_batchnorm` says what and why); layers whose moments
+    an engine reduces across replicas keep Keras's call."""
+    if (not train_config.fused_batchnorm or train_config.sync_batchnorm
+            or not strategy.fused_kernels):
+        return
+    fused = [layer for layer in layers(model) if compat.fuse_batchnorm(layer)]
+    if fused:
+        _log(strategy, f"BatchNorm: {len(fused)} layer(s) use TensorFlow's fused kernel "
+                       "(--nofused_batchnorm: Keras's own)")
 
 
 def _log(strategy, line: str) -> None:

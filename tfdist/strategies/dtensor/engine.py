@@ -35,6 +35,7 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding, 
     supports_xla = False
     supports_xla_reason = ("DTensor expands its SPMD program itself, outside XLA, on CPU; "
                            "it has no per-replica step to compile")
+    fused_kernels = False   # DTensor has no layout propagation for FusedBatchNormV3
 
     def __init__(self, config):
         super().__init__(config)
