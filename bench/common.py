@@ -58,7 +58,7 @@ def markdown_table(rows: list[list], header: list[str]) -> str:
 
 RESULTS = os.path.join(REPO, "bench", "results")
 # The order sections appear in the collected report.
-SECTIONS = ("vs_fit", "features", "scaling", "horovod_vs_multi_worker", "allreduce", "dtensor",
+SECTIONS = ("vs_fit", "profile_vs_fit", "features", "scaling", "horovod_vs_multi_worker", "allreduce", "dtensor",
             "depthwise", "dtensor_init", "input_order", "soak", "parameter_server", "staleness_sim",
             "slow_link",
             "compression_accuracy_cnn", "compression_accuracy_transformer",
