@@ -16,6 +16,8 @@ repeated, batched random examples):
   tfdist XLA   with --jit_compile=on
   tfdist auto  with --jit_compile=auto, where it picks neither (the fused
                optimizer update alone)
+  auto, Keras BN  (models with BatchNormalization) tfdist's choice with
+               --nofused_batchnorm: "fused BN gain" is tfdist(auto) over it
 A setting that crashes is reported as such, not as a ratio. Every row is
 printed as soon as it is measured; the table (ratio tfdist / best working
 fit, MFU against this host's matmul peak, mirrored vs default) goes to
@@ -183,14 +185,14 @@ def child(model, precision, strategy_name, seconds):
         except Exception as error:  # noqa: BLE001 - a crash is a result here
             emit(variant, error=_short_error(error))
 
-    def train(variant, jit):
+    def train(variant, jit, **options):
         steps = timed_steps or 5 * STEPS_PER_LOOP
         config = RunConfig(
             strategy=StrategyConfig(name=strategy_name,
                                     virtual_devices=2 if strategy_name == "mirrored" else None),
             train=TrainConfig(global_batch_size=batch, train_steps=STEPS_PER_LOOP + steps,
                               steps_per_loop=STEPS_PER_LOOP, precision=precision,
-                              jit_compile=jit, seed=0))
+                              jit_compile=jit, seed=0, **options))
         try:
             summary = tfdist.train(config, model_fn=model_fn, dataset_fn=dataset_fn,
                                    spec=spec).summary
@@ -213,13 +215,18 @@ def child(model, precision, strategy_name, seconds):
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only
+    from tfdist import compat
+    if any(isinstance(layer, keras.layers.BatchNormalization)
+           for layer in compat.model_layers(model_fn(spec))):
+        # tfdist's choice with Keras's own BatchNormalization (--nofused_batchnorm)
+        train("auto, Keras BN", "auto", fused_batchnorm=False)
     print(json.dumps({"peak_tflops": peak_tflops}), flush=True)
 
 
 # -- parent -------------------------------------------------------------------
 HEADER = ["model", "precision", "strategy", "fit", "fit+XLA", "fit spe=1", "tfdist off",
           "tfdist XLA", "tfdist auto", "auto picks", "tfdist(auto) / best fit", "MFU tfdist(auto)", "MFU best fit",
-          "mirrored / default"]
+          "mirrored / default", "fused BN gain"]
 
 
 def measure(model, precision, strategy, seconds):
@@ -249,6 +256,13 @@ def _rate(result):
     if result is None:
         return "-"
     return f"{result['examples_per_sec']:.0f}" if result["examples_per_sec"] else "fails"
+
+
+def _gain(ours, keras_bn):
+    """tfdist(auto) / the same with Keras's own BatchNormalization."""
+    if not (ours and keras_bn and ours["examples_per_sec"] and keras_bn["examples_per_sec"]):
+        return "-"
+    return f"{ours['examples_per_sec'] / keras_bn['examples_per_sec']:.2f}"
 
 
 def main():
@@ -307,7 +321,8 @@ def main():
                        f"{eps / best_fit['examples_per_sec']:.2f}" if eps and best_fit else "-",
                        f"{ours['mfu']:.0%}" if ours and ours.get("mfu") else "-",
                        f"{best_fit['mfu']:.0%}" if best_fit and best_fit.get("mfu") else "-",
-                       f"{eps / base:.2f}" if strategy != "default" and eps and base else "-"]
+                       f"{eps / base:.2f}" if strategy != "default" and eps and base else "-",
+                       _gain(ours, r.get("auto, Keras BN"))]
                 rows.append(row)
                 print_row(row, HEADER)
     peak_text = ", ".join(f"{p}: {v:.3f} TFLOP/s" for p, v in peaks.items() if v)
