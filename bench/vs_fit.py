@@ -211,7 +211,7 @@ def child(model, precision, strategy_name, seconds):
     share = flops.convolution_share(flops.forward_flops_by_op(model_fn(spec)))
     from tfdist import strategies
     whole_step = strategies.create(StrategyConfig(name=strategy_name)).xla_whole_step
-    level = xla.auto_level(precision, whole_step, share)
+    level = xla.auto_level(precision, whole_step, share, large_share=xla.large_share(model_fn(spec)))
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only

@@ -134,7 +134,7 @@ def out_of_memory(config: RunConfig, strategy, step: int, error) -> str:
 
 
 def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
-                         convolution_share: float = 0.0) -> list[str]:
+                         convolution_share: float = 0.0, large: float = 1.0) -> list[str]:
     """One line for each setting known to be slow on this CPU, with what is faster."""
     tc, lines = config.train, []
     bf16 = hardware.bf16_support()
@@ -156,7 +156,7 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
                      "this CPU); for speed on one CPU use --strategy=default")
     supports = strategy is None or strategy.supports_xla
     auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step,
-                          convolution_share, bool(tc.reduce_bucket_mb))
+                          convolution_share, bool(tc.reduce_bucket_mb), large)
     if tc.jit_compile != "auto" and jit_level != auto and supports:
         lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
                      f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "
@@ -423,9 +423,9 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
 
     by_op = flops.try_forward_flops_by_op(model, lambda: inputs.example_signature()) or {}
     flops_per_example = flops.TRAINING_PASSES * sum(by_op.values()) or None
-    convolution_share = flops.convolution_share(by_op)
-    jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy, convolution_share,
-                            bool(tc.reduce_bucket_mb))
+    traits = dict(convolution_share=flops.convolution_share(by_op), large=xla.large_share(model))
+    jit_level = xla.resolve(tc.jit_compile, tc.precision, strategy,
+                            buckets=bool(tc.reduce_bucket_mb), **traits)
     jit_level = batchnorm.prepare(tc, strategy, model, jit_level)
     peak_tflops = peak.precision_peak_tflops(tc.precision, measure=strategy.is_chief) \
         if flops_per_example else None
@@ -442,7 +442,7 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
     for line in _run_description(config, strategy, model, inputs.spec, controller, peak_lr):
         logging.info(line)
     if strategy.is_chief:   # one line per run, not one per worker
-        for line in slow_choice_warnings(config, jit_level, strategy, convolution_share):
+        for line in slow_choice_warnings(config, jit_level, strategy, **traits):
             logging.warning(line)
     try:
         metrics = controller.fit()

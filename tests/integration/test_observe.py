@@ -154,6 +154,14 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     assert xla.auto_level("float32", whole_step=False, buckets=True) == xla.OPTIMIZER
     assert xla.auto_level("float32", convolution_share=0.9) == xla.OPTIMIZER  # a cnn
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OPTIMIZER  # AMX
+    # native bf16, small matrices: XLA's fusion on one device, the fused update
+    # where convolutions dominate, plain TensorFlow under replicated engines
+    small = dict(large_share=0.0)
+    assert xla.auto_level("mixed_bfloat16", **small) == xla.STEP   # a small transformer
+    assert xla.auto_level("mixed_bfloat16", convolution_share=0.9, **small) == xla.OPTIMIZER
+    assert xla.auto_level("mixed_bfloat16", whole_step=False, **small) == xla.OFF
+    assert xla.auto_level("mixed_bfloat16", whole_step=False, large_share=0.9) == xla.OPTIMIZER
+    assert xla.auto_level("float32", whole_step=False, **small) == xla.STEP
     monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")
     assert xla.auto_level("mixed_bfloat16") == xla.STEP
     assert xla.auto_level("mixed_bfloat16", whole_step=False) == xla.STEP
@@ -165,12 +173,24 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_vendor", lambda: "AMD")
     assert xla.auto_level("mixed_bfloat16") == xla.OPTIMIZER   # an mlp
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.OPTIMIZER   # a cnn
+    assert xla.auto_level("mixed_bfloat16", whole_step=False, **small) == xla.OFF
     assert xla.auto_level("float32", convolution_share=0.9) == xla.OPTIMIZER
     assert xla.auto_level("mixed_float16") == xla.STEP   # float16 is emulated everywhere
     assert xla.auto_level("float32") == xla.STEP
     monkeypatch.setattr(hardware, "cpu_vendor", lambda: "Intel")
     assert xla.auto_level("mixed_bfloat16") == xla.STEP
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9) == xla.STEP
+    assert xla.auto_level("mixed_bfloat16", whole_step=False, **small) == xla.STEP
+
+
+def test_large_share_is_the_share_of_parameters_in_large_matrices():
+    import keras
+    wide = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024),
+                             keras.layers.Dense(10)])
+    assert xla.large_share(wide) == (1024 * 1024) / (1024 * 1024 + 1024 + 1024 * 10 + 10)
+    narrow = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
+    assert xla.large_share(narrow) == 0.0
+    assert xla.large_share(keras.Sequential([keras.Input((4,))])) == 1.0   # no parameters
 
 
 def test_slow_choices_are_named(monkeypatch):

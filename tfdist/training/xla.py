@@ -53,11 +53,28 @@ runs on:
     vs 1580 in another);
   - `optimizer` for bfloat16 on AMX CPUs, where XLA's dots bypass oneDNN's
     AMX path (Keras fit measured 1868 vs 2877 examples/s with XLA on vs off
-    there).
+    there);
+  - on both kinds of CPU with native bf16 (AMX, AMD's AVX512-BF16), the fused
+    update only where it pays: for models whose parameters sit mostly in
+    large matrices (at least half in variables of LARGE_VARIABLE elements or
+    more: the mlp, 4M-element kernels), where the update is memory-bound and
+    oneDNN's bf16 dots beat XLA's; models of small matrices (the transformer
+    at width 128, 64K-element kernels at most; the cnn, 37K) get XLA's
+    fusion of their element-wise ops under the default strategy (`step`:
+    transformer on AMX 621 step / 585 off / 581 optimizer, and 653 / 607 /
+    605 in an earlier run; on the AMD EPYC 1033 / 1057 / 1082, a tie), or
+    the fused update where convolutions dominate (cnn on AMX 3050 optimizer
+    / 3008 off / 1140 step), and plain TensorFlow under replicated engines,
+    where each replica's per-variable update is its own XLA launch
+    (mirrored over two virtual CPUs: transformer on AMX 682 off / 632
+    optimizer / 635 step, 707 / 650 / 685 earlier, on the EPYC 988 off /
+    679 optimizer; cnn on AMX 3040 off / 2812 optimizer; multi_worker and
+    horovod, one replica per process, unmeasured).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import UsageError
@@ -70,19 +87,35 @@ STEP, OPTIMIZER, OFF = "step", "optimizer", "off"
 # forward/backward to oneDNN: XLA's CPU convolutions were slower (the cnn:
 # 1061 vs 1277 examples/s under the default strategy, float32).
 CONVOLUTION_SHARE = 0.5
+# A variable of at least this many elements is a large matrix; a model with
+# at least half its parameters in such variables has large matrices.
+LARGE_VARIABLE = 2 ** 18
+
+
+def large_share(model) -> float:
+    """The share of `model`'s trainable parameters in variables of at least
+    LARGE_VARIABLE elements (1.0 for a model without any)."""
+    sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+    total = sum(sizes)
+    return sum(s for s in sizes if s >= LARGE_VARIABLE) / total if total else 1.0
 
 
 def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0,
-               buckets: bool = False) -> str:
+               buckets: bool = False, large_share: float = 1.0) -> str:
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
-    for a model with `convolution_share` of its FLOPs in convolutions, with
-    bucketed reductions (`buckets`) or not. The measurements behind each
-    branch are in this module's docstring."""
+    for a model with `convolution_share` of its FLOPs in convolutions and
+    `large_share` of its parameters in large matrices, with bucketed
+    reductions (`buckets`) or not. The measurements behind each branch are in
+    this module's docstring."""
     bf16 = hardware.bf16_support()
     if precision == "mixed_bfloat16" and (
             bf16 == "AMX" or (bf16 == "AVX-512" and hardware.cpu_vendor() == "AMD")):
-        return OPTIMIZER   # native bf16 matmuls in oneDNN, Adam's memory-bound update fused
+        if large_share >= 0.5:
+            return OPTIMIZER   # native bf16 matmuls in oneDNN, the memory-bound update fused
+        if not whole_step:
+            return OFF         # a per-variable XLA launch per replica costs more than it fuses
+        return OPTIMIZER if convolution_share > CONVOLUTION_SHARE else STEP
     if precision != "float32":
         return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
     if convolution_share > CONVOLUTION_SHARE or (buckets and not whole_step):
@@ -98,14 +131,14 @@ def check(setting: str, strategy) -> None:
 
 
 def resolve(setting: str, precision: str, strategy, convolution_share: float = 0.0,
-            buckets: bool = False) -> str:
+            buckets: bool = False, large: float = 1.0) -> str:
     """The level for `--jit_compile=setting` under `strategy`."""
     check(setting, strategy)
     if not strategy.supports_xla or setting == "off":
         return OFF
     if setting == "on":
         return STEP
-    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets)
+    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets, large)
 
 
 def describe(setting: str, level: str) -> str:
