@@ -1,6 +1,6 @@
 """Where tfdist's step and Keras `fit`'s spend their time: one vs_fit row, profiled.
 
-    .venv/bin/python bench/profile_vs_fit.py --rows=cnn:mixed_bfloat16,transformer:float32
+    .venv/bin/python bench/profile_vs_fit.py --rows=cnn:mixed_bfloat16,transformer:float32:off:off
         [--fit_jit=auto] [--tfdist_jit=auto] [--steps=100]
 
 For each row (model:precision, default strategy; the models, batches and
@@ -10,20 +10,24 @@ over the same number of steps after their compilation and warm-up, and reads
 both traces with xprof's framework op statistics. It prints, per step, the
 self-time of every op type on each side and the difference (tfdist minus
 fit), grouped into what the step spends it on: matmuls and convolutions,
-XLA-compiled clusters, the optimizer update, casts, the input pipeline and
-the rest. Self-times are summed over the threads that ran ops, so with inter-
+XLA-compiled clusters, the optimizer update, BatchNormalization (by layer
+name), casts, the input pipeline and the rest. Self-times are summed over the threads that ran ops, so with inter-
 op parallelism a step's sum can exceed its wall time; the examples/s of each
 side over the traced window are printed beside them. The tables go to
 bench/results/profile_vs_fit.md.
 
 --fit_jit: `fit`'s jit_compile (auto: the faster of on and off, measured
-first for 2 s each); --tfdist_jit: tfdist's --jit_compile.
+first for 2 s each); --tfdist_jit: tfdist's --jit_compile; a row may set
+both for itself (model:precision:fit_jit:tfdist_jit). A step XLA compiles
+whole is one opaque function to TensorFlow's op statistics: its ops do not
+show (compare such sides by their examples/s only).
 """
 
 import argparse
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -48,9 +52,17 @@ CATEGORIES = [
 ]
 
 
+# BatchNorm: the fused kernels, or any op under a layer named like the
+# bench models' (bn_a, stem_bn) or Keras's default (batch_normalization).
+BATCHNORM = re.compile(r"(^|/)(\w*_bn|bn_\w+|batch_normalization\w*)/")
+
+
 def category(op_type: str, op_name: str) -> str:
     if "adam" in op_name.lower() or "optimizer" in op_name.lower():
         return "optimizer update"
+    if op_type.startswith("FusedBatchNorm") or op_type.startswith("_MklFusedBatchNorm") \
+            or BATCHNORM.search(op_name):
+        return "batchnorm"
     for name, prefixes in CATEGORIES:
         if any(p in op_type for p in prefixes):
             return name
@@ -185,8 +197,9 @@ def main():
         return child(model, precision, fit_jit, tfdist_jit, int(steps))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="cnn:float32,cnn:mixed_bfloat16,"
-                        "transformer:mixed_bfloat16",
-                        help="model:precision pairs, comma-separated (default strategy)")
+                        "transformer:mixed_bfloat16:off:off",
+                        help="model:precision[:fit_jit:tfdist_jit], comma-separated (default "
+                             "strategy)")
     parser.add_argument("--fit_jit", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--tfdist_jit", default="auto", choices=["auto", "on", "off", "optimizer"])
     parser.add_argument("--steps", type=int, default=100, help="traced steps per side")
@@ -194,9 +207,10 @@ def main():
     args = parser.parse_args()
     sections = []
     for row in args.rows.split(","):
-        model, precision = row.split(":")
-        command = [sys.executable, __file__, "--child", model, precision, args.fit_jit,
-                   args.tfdist_jit, str(args.steps)]
+        model, precision, fit_jit, tfdist_jit = (row.split(":") + [args.fit_jit,
+                                                                   args.tfdist_jit])[:4]
+        command = [sys.executable, __file__, "--child", model, precision, fit_jit,
+                   tfdist_jit, str(args.steps)]
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
         sides = {}
         for line in result.stdout.splitlines():
@@ -219,7 +233,8 @@ def main():
         print(text + "\n", flush=True)
         sections.append(text)
     body = ("Self-time per step of each op type "
-            "(xprof framework op statistics), summed over threads.\n\n" + "\n\n".join(sections))
+            "(xprof framework op statistics), summed over threads; a step XLA compiles whole "
+            "is one opaque function there.\n\n" + "\n\n".join(sections))
     print(write_section("profile_vs_fit", "Where the step's time goes: tfdist vs fit "
                         "(bench/profile_vs_fit.py)", body))
 
