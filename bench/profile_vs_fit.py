@@ -28,6 +28,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,6 +94,14 @@ def child(model, precision, fit_jit, tfdist_jit, steps):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from absl import logging
     logging.set_verbosity(logging.WARNING)
+    work = tempfile.mkdtemp(prefix="profile_vs_fit-")
+    try:
+        _profile_both(model, precision, fit_jit, tfdist_jit, steps, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)   # the traces: tens to hundreds of MB
+
+
+def _profile_both(model, precision, fit_jit, tfdist_jit, steps, work):
     import keras
     import tensorflow as tf
 
@@ -107,7 +116,6 @@ def child(model, precision, fit_jit, tfdist_jit, steps):
     data = inputs_lib.train_dataset_fn(FunctionInputs(dataset_fn, spec), global_batch_size=batch,
                                        seed=0, shuffle_buffer=10_000)(tf.distribute.InputContext())
     data = data.map(lambda x, y, weight: (x, y))
-    work = tempfile.mkdtemp(prefix="profile_vs_fit-")
 
     def fit(jit, executions, trace_dir=None):
         """examples/s of `executions` fit executions after two untimed ones."""
