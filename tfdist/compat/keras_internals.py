@@ -357,7 +357,7 @@ def fuse_batchnorm(layer) -> bool:
     in about a dozen element-wise ops, each a pass over the activations, and
     as many in the backward pass; the fused kernel (what Keras 2 used for 4-D
     inputs) makes each direction one pass and keeps 16-bit activations 16-bit.
-    The cnn trained 1.92x faster in mixed_bfloat16 and 1.39x in float32 on
+    The cnn trained 1.81x faster in mixed_bfloat16 and 1.30x in float32 on
     an AMX Xeon (bench/vs_fit.py, docs/benchmarks.md). The kernel returns the batch
     variance with Bessel's correction; Keras tracks the biased one, which is
     what the moving variance gets here too. Inputs the kernel does not take

@@ -167,8 +167,8 @@ class TrainConfig:
         help="BatchNormalization layers (channels last, no renorm, not synchronized) "
              "normalise with TensorFlow's fused kernel, one op forward and one backward, as "
              "Keras 2 did, instead of Keras 3's dozen element-wise passes: the same "
-             "statistics up to float rounding; the cnn trained 1.92x faster in "
-             "mixed_bfloat16 and 1.39x in float32 on an AMX Xeon. Not under dtensor (no "
+             "statistics up to float rounding; the cnn trained 1.81x faster in "
+             "mixed_bfloat16 and 1.30x in float32 on an AMX Xeon. Not under dtensor (no "
              "layout rule for the fused op). --nofused_batchnorm keeps Keras's own.")
     profile_steps: tuple = option(
         (), check=_profile_steps, item=int, group=SPEED,
