@@ -107,28 +107,16 @@ def _profile_both(model, precision, fit_jit, tfdist_jit, steps, work):
 
     import tfdist
     from tfdist.config import RunConfig, StrategyConfig, TrainConfig
-    from tfdist.data import inputs as inputs_lib
-    from tfdist.data.function_inputs import FunctionInputs
-    from vs_fit import BATCH, _dataset_fn, _model_fn, _spec
+    from vs_fit import BATCH, _dataset_fn, _model_fn, _spec, compiled_model, fit_data
 
     spec, batch = _spec(model), BATCH[model]
     model_fn, dataset_fn = _model_fn(model), _dataset_fn(spec)
-    data = inputs_lib.train_dataset_fn(FunctionInputs(dataset_fn, spec), global_batch_size=batch,
-                                       seed=0, shuffle_buffer=10_000)(tf.distribute.InputContext())
-    data = data.map(lambda x, y, weight: (x, y))
+    data = fit_data(spec, batch)
 
     def fit(jit, executions, trace_dir=None):
         """examples/s of `executions` fit executions after two untimed ones."""
         keras.utils.set_random_seed(0)
-        previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy(precision)
-        try:
-            m = model_fn(spec)
-            m.compile(keras.optimizers.Adam(1e-3),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], jit_compile=jit, steps_per_execution=STEPS_PER_LOOP)
-        finally:
-            keras.config.set_dtype_policy(previous)
+        m = compiled_model(model, spec, precision, jit, STEPS_PER_LOOP)
 
         class Window(keras.callbacks.Callback):
             calls, started, elapsed = 0, None, None

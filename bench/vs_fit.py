@@ -94,6 +94,36 @@ def _dataset_fn(spec):
     return dataset_fn
 
 
+def fit_data(spec, batch):
+    """tfdist's training pipeline for `spec` as `fit` takes it: (x, y) batches
+    (tfdist's are (x, y, weight))."""
+    import tensorflow as tf
+
+    from tfdist.data import inputs as inputs_lib
+    from tfdist.data.function_inputs import FunctionInputs
+    data = inputs_lib.train_dataset_fn(FunctionInputs(_dataset_fn(spec), spec),
+                                       global_batch_size=batch, seed=0,
+                                       shuffle_buffer=10_000)(tf.distribute.InputContext())
+    return data.map(lambda x, y, weight: (x, y))
+
+
+def compiled_model(model, spec, precision, jit, steps_per_execution):
+    """`model`'s Keras model under the `precision` policy, compiled for `fit`
+    with Adam as tfdist trains it (in the caller's distribution scope)."""
+    import keras
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(precision)
+    try:
+        m = _model_fn(model)(spec)
+        m.compile(keras.optimizers.Adam(1e-3),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=jit,
+                  steps_per_execution=steps_per_execution)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    return m
+
+
 def _step_timer(seconds, max_steps=None):
     """A Keras callback timing the steps after the first execution (which
     compiles); it stops training after `seconds` of them or `max_steps`."""
@@ -136,17 +166,11 @@ def child(model, precision, strategy_name, seconds):
 
     import tfdist
     from tfdist.config import RunConfig, StrategyConfig, TrainConfig
-    from tfdist.data import inputs as inputs_lib
-    from tfdist.data.function_inputs import FunctionInputs
     from tfdist.observe import flops, peak
 
     spec, batch = _spec(model), BATCH[model]
     model_fn, dataset_fn = _model_fn(model), _dataset_fn(spec)
-    inputs = FunctionInputs(dataset_fn, spec)
-    # tfdist's batches are (x, y, weight); fit gets (x, y), as a user would give it.
-    data = inputs_lib.train_dataset_fn(inputs, global_batch_size=batch, seed=0,
-                                       shuffle_buffer=10_000)(tf.distribute.InputContext())
-    data = data.map(lambda x, y, weight: (x, y))
+    data = fit_data(spec, batch)   # (x, y), as a user would give it
     peak_tflops = peak.precision_peak_tflops(precision)
 
     def emit(variant, examples_per_sec=None, error=None, flops_per_example=None, **extra):
@@ -163,16 +187,8 @@ def child(model, precision, strategy_name, seconds):
         distribution = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
                         if strategy_name == "mirrored" else tf.distribute.get_strategy())
         try:
-            previous = keras.config.dtype_policy()
-            keras.config.set_dtype_policy(precision)
-            try:
-                with distribution.scope():
-                    m = model_fn(spec)
-                    m.compile(keras.optimizers.Adam(1e-3),
-                              keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                              metrics=["accuracy"], jit_compile=jit, steps_per_execution=spe)
-            finally:
-                keras.config.set_dtype_policy(previous)
+            with distribution.scope():
+                m = compiled_model(model, spec, precision, jit, spe)
             count = flops.try_training_flops_per_example(m)
             # One fit call, so one iterator (a new one per call would refill the
             # shuffle buffer inside the timed part) and one long epoch; the
