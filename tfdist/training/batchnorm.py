@@ -81,9 +81,9 @@ def fuse(train_config, strategy, model) -> None:
     """With --fused_batchnorm (the default), every BatchNormalization layer
     whose statistics are its replica's own normalises with TensorFlow's fused
     kernel (`compat.fuse_batchnorm` says what and why); layers whose moments
-    an engine reduces across replicas keep Keras's call."""
-    if (not train_config.fused_batchnorm or train_config.sync_batchnorm
-            or not strategy.fused_kernels):
+    an engine reduces across replicas (`synchronize`, which runs first) keep
+    Keras's call."""
+    if not train_config.fused_batchnorm or not strategy.fused_kernels:
         return
     fused = [layer for layer in layers(model) if compat.fuse_batchnorm(layer)]
     if fused:
