@@ -139,7 +139,8 @@ def memory_rows(name: str, runs: list) -> list:
 MEMORY_DESCRIPTION = (
     "Each grid run of the planner (a trial process per candidate, as the planner "
     "measures) with its predicted peak, term by term, against its measured peak "
-    "(its memory cgroup's peak where it has one, else its peak resident set); the "
+    "(its memory cgroup's peak where it has one, else its anonymous peak: what its "
+    "cgroup is charged with TensorFlow's libraries already in the page cache); the "
     "memory rule: within 15% where the predicted bytes above the runtime are at least "
     "1 GiB, else within 150 MiB.")
 MEMORY_HEADER = ["model", "configuration", "predicted MiB", "measured MiB",
@@ -223,8 +224,9 @@ def main() -> None:
               "tau", "repeat tau", "pick / defaults", "pick / best fit", "worst memory error MiB",
               "within the memory rule", "worst memory case"]
     cap_header = ["model", "cap MiB (pick's predicted peak + the rule's tolerance)",
-                  "the pick under the cap", "control: predicted just above the cap",
-                  "its predicted / measured MiB", "the control under the cap"]
+                  "the pick under the cap", "its cgroup peak MiB",
+                  "control: the grid's highest prediction", "its predicted / measured MiB",
+                  "its cap MiB", "the control under its cap"]
     rows, cap_rows, memory = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-planner-") as work:
         for name in args.models.split(","):
@@ -239,9 +241,11 @@ def main() -> None:
                    f"{r['memory rule']}/{r['runs']}", r["worst"]]
             common.print_row(row, header)
             rows.append(row)
-            cap_row = [r["model"], f"{r['cap MiB']:.0f}", r["pick under cap"], r["control"],
-                       (f"{r['control predicted MiB']:.0f} / {r['control measured MiB']:.0f}"
-                        if r["control predicted MiB"] else "-"), r["control under cap"]]
+            cap_row = [r["model"], f"{r['cap MiB']:.0f}", r["pick under cap"],
+                       ("-" if r["pick cgroup peak MiB"] is None
+                        else f"{r['pick cgroup peak MiB']:.0f}"), r["control"],
+                       f"{r['control predicted MiB']:.0f} / {r['control measured MiB']:.0f}",
+                       f"{r['control cap MiB']:.0f}", r["control under cap"]]
             common.print_row(cap_row, cap_header)
             cap_rows.append(cap_row)
             memory.extend(r["memory rows"])
@@ -257,7 +261,11 @@ def main() -> None:
         "as the pick's loop) on the same model and input pipeline.")
     after = ("The pick in a memory cgroup capped at its predicted peak plus the memory "
              "rule's tolerance (`tfdist-launch --worker_memory`), and the control: the grid "
-             "run predicted just above that cap, under the same cap.\n\n"
+             "run predicted highest, under the same cap or, where that cap is not below its "
+             "predicted peak less the rule's tolerance, under that lower cap (predicted not "
+             "to fit). The grid's peaks are measured as the planner measures them (a process's "
+             "anonymous peak: what its cgroup is charged with TensorFlow's libraries already "
+             "in the page cache); the capped runs read their cgroup's peak.\n\n"
              + common.markdown_table(cap_rows, cap_header))
     common.finish("planner", "The planner against the exhaustive grid", description, rows,
                   header, clock, after=after)
@@ -333,29 +341,37 @@ def allowance(predicted: float, runtime: float) -> float:
 
 def capped(search, runs: list, pick: int, work: str) -> dict:
     """The pick under `--worker_memory` at its predicted peak (for a trial's
-    length) plus the memory rule's tolerance, and, the control, the grid run
-    predicted just above that cap under the same cap: the first should
-    finish, the second be OOM-killed. `runs`: the grid's measured runs."""
+    length) plus the memory rule's tolerance: it should finish. The control:
+    the grid run predicted highest, under that cap or, where that cap would
+    not be below its own predicted peak less the rule's tolerance, under
+    that lower cap: predicted not to fit, it should be OOM-killed. Together
+    they bracket each one's cgroup peak around its prediction. `runs`: the
+    grid's measured runs."""
     from tfdist import config as config_lib
     from tfdist.planner import trials as trials_lib
     chosen = runs[pick].trial_estimate
     cap = int(chosen.peak_bytes + allowance(chosen.peak_bytes, chosen.memory.get("runtime", 0)))
-    above = sorted((r for r in runs if r.trial_estimate and r.trial_estimate.peak_bytes > cap),
-                   key=lambda r: r.trial_estimate.peak_bytes)
 
-    def under_cap(run):
+    def under_cap(run, limit):
         result = trials_lib.run([config_lib.as_flags(search.trial_config(run))],
                                 processes=run.estimate.processes, functions=search.functions,
-                                cap=cap, timeout=300, work_dir=work)
-        return "finished" if result.ok else result.reason
+                                cap=limit, timeout=300, work_dir=work)
+        return ("finished" if result.ok else result.reason), result
 
-    control = above[0] if above else None
-    return {"cap MiB": cap / MiB, "pick under cap": under_cap(runs[pick]),
-            "control": control.describe() if control else "-",
-            "control predicted MiB": control.trial_estimate.peak_bytes / MiB if control else None,
-            "control measured MiB": (control.measured_peak() or 0) / MiB if control else None,
-            "control under cap": under_cap(control) if control else
-            "no candidate is predicted above the cap"}
+    estimated = [r for r in runs if r.trial_estimate]
+    control = max(estimated, key=lambda r: r.trial_estimate.peak_bytes)
+    predicted = control.trial_estimate.peak_bytes
+    control_cap = int(min(cap, predicted - allowance(
+        predicted, control.trial_estimate.memory.get("runtime", 0))))
+    pick_outcome, pick_result = under_cap(runs[pick], cap)
+    control_outcome, _ = under_cap(control, control_cap)
+    return {"cap MiB": cap / MiB, "pick under cap": pick_outcome,
+            "pick cgroup peak MiB": (max(pick_result.peaks) / MiB if pick_result.ok
+                                     and pick_result.peaks else None),
+            "control": control.describe(), "control cap MiB": control_cap / MiB,
+            "control predicted MiB": predicted / MiB,
+            "control measured MiB": (control.measured_peak() or 0) / MiB,
+            "control under cap": control_outcome}
 
 
 def memory_only(args, clock) -> None:

@@ -27,6 +27,7 @@ from absl import app, flags, logging  # noqa: E402
 from tfdist import flags as tfdist_flags  # noqa: E402  (defines the flags)
 from tfdist import help as tfdist_help  # noqa: E402
 from tfdist import models, strategies  # noqa: E402  (registries; no TensorFlow yet)
+from tfdist.strategies import records  # noqa: E402
 from tfdist.errors import UsageError, WorkerFault  # noqa: E402
 from tfdist.training.interrupts import PREEMPTED_EXIT, Preempted  # noqa: E402
 
@@ -153,7 +154,16 @@ def plan_main(argv: list[str]) -> None:
           + (f" here, {expected:,.0f} expected over {hosts} hosts" if hosts > 1 else "")
           + (f"; runner-up {runner_up.describe()}, {runner_up.measured_rate():,.0f}"
              if runner_up else "")
-          + f"); wrote {plan_file}: tfdist-train --flagfile={plan_file}", flush=True)
+          + f"); wrote {plan_file}: {_start(plan, plan_file)}", flush=True)
+
+
+def _start(plan, plan_file: str) -> str:
+    """How to run the plan: on this host, or, over several, how its engine starts."""
+    engine, host = strategies.engine(plan.winner.engine), plan.facts.host
+    if host.hosts > 1:
+        return (f"tfdist-train --flagfile={plan_file} in each of its {host.processes} "
+                f"processes ({records.command(engine)})")
+    return records.local_command(engine, host.processes, f"--flagfile={plan_file}")
 
 
 PLAN_HELP = """Choose the engine and its options for the model, data and batch the run

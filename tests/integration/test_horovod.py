@@ -107,14 +107,30 @@ def _checkpoint_args(data_dir, model_dir):
             "--grad_compression=fp16", f"--data_dir={data_dir}", f"--model_dir={model_dir}"]
 
 
+# The planner's trial of a Horovod candidate, as its search starts one
+# (`trials.run`: horovodrun with its ranks), on a tiny synthetic mlp.
+PLANNER_TRIAL = """
+import dataclasses, json, sys
+from tfdist.planner import trials
+flags = ["--strategy=horovod", "--virtual_devices=1", "--model=mlp", "--model_width=16",
+         "--model_depth=1", "--synthetic", "--global_batch_size=32", "--train_steps=20",
+         "--steps_per_loop=10"]
+result = trials.run([flags], processes=2, timeout=150, work_dir=sys.argv[1])
+print(json.dumps(dataclasses.asdict(result)))
+"""
+
+
 @pytest.fixture(scope="module")
 def early_runs(background, tmp_path_factory, data_dir):
     """Started beside the first mw_worker.py horovodrun: the custom script's
-    horovodrun and the checkpoint test's. Returns the latter's model_dir."""
+    horovodrun, the checkpoint test's and a planner trial's. Returns the
+    checkpoint's model_dir."""
     model_dir = str(tmp_path_factory.mktemp("hvd_checkpoint") / "run")
     background.start("custom_script", CUSTOM_SCRIPT_COMMAND, timeout=200)
     background.start("checkpoint", [*HOROVODRUN, TRAIN, *_checkpoint_args(data_dir, model_dir)],
                      timeout=240)
+    background.start("planner_trial", [sys.executable, "-c", PLANNER_TRIAL,
+                                       str(tmp_path_factory.mktemp("hvd_trial"))], timeout=200)
     return {"checkpoint_model_dir": model_dir}
 
 
@@ -298,6 +314,22 @@ def test_two_ranks_train_keras_losses_and_metrics_like_one_device(first_run, cas
     result, out_dir = first_run[f"task_{case}"]
     assert result.returncode == 0, result.stderr[-3000:]
     check_case_workers(out_dir, case)
+
+
+@pytest.mark.timeout(240)
+def test_a_planner_trial_of_horovod_runs_its_ranks_under_horovodrun(background, early_runs):
+    """The planner's search measures a Horovod candidate as its users start
+    it: both ranks' records (rate, each rank's peak) come back; the peak is
+    the anonymous one (no cgroup), well below a resident set that counts
+    TensorFlow's libraries."""
+    result = background.result("planner_trial")
+    assert result.returncode == 0, result.stderr[-3000:]
+    trial = json.loads(result.stdout.strip().splitlines()[-1])
+    assert trial["ok"], trial["reason"]
+    assert len(trial["peaks"]) == 2 and trial["runs"][0]["examples_per_sec"] > 0
+    record = trial["runs"][0]
+    assert record["peak_measured_as"] == "anonymous"
+    assert record["peak_bytes"] < record["peak_rss_bytes"] - 200 * 2**20
 
 
 @pytest.mark.timeout(240)

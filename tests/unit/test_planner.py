@@ -169,7 +169,7 @@ def test_no_bf16_calibration_where_bf16_matmuls_would_abort(monkeypatch):
     candidates are then dropped as unmeasured); without the cap it runs it."""
     from tfdist.observe import hardware
     from tfdist.planner import calibrate
-    record = {"examples_per_sec": 100.0, "peak_rss_bytes": 2**29}
+    record = {"examples_per_sec": 100.0, "peak_bytes": 2**29}
     for refusal, runs in (("capped", 3), (None, 4)):
         started = []
         monkeypatch.setattr(hardware, "bf16_refusal", lambda r=refusal: r)
@@ -183,7 +183,7 @@ def test_no_bf16_calibration_where_bf16_matmuls_would_abort(monkeypatch):
 
 def _result(records: list):
     return search.trials_lib.TrialResult(ok=True, reason="", seconds=5.0, runs=records,
-                                         peaks=[records[-1]["peak_rss_bytes"]])
+                                         peaks=[records[-1]["peak_bytes"]])
 
 
 def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(facts,
@@ -197,7 +197,7 @@ def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(fact
 
     def run(runs, **kw):
         flags_seen.extend(runs)
-        return _result([{"examples_per_sec": 1000.0 * (i + 1), "peak_rss_bytes": 2**29 + i}
+        return _result([{"examples_per_sec": 1000.0 * (i + 1), "peak_bytes": 2**29 + i}
                         for i in range(len(runs))])
     monkeypatch.setattr(calibrate.trials_lib, "run", run)
     calibration = calibrate.measure(run_config(batch=32), 4, False, {}, lambda line: None,
@@ -477,7 +477,7 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monk
             values = dict(f[2:].split("=", 1) for f in flags if "=" in f)
             step = seconds[(values["jit_compile"], values.get("accum_steps", "1"))]
             batch = int(values["global_batch_size"])
-            records.append({"examples_per_sec": batch / step, "peak_rss_bytes": 2**29})
+            records.append({"examples_per_sec": batch / step, "peak_bytes": 2**29})
         return _result(records)
     monkeypatch.setattr(calibrate.trials_lib, "run", run)
     calibration = calibrate.measure(run_config(batch=32), 4, False, {}, lambda line: None,
@@ -600,3 +600,85 @@ def test_the_reference_runtime_is_measured_for_a_cluster_too(facts):
     assert "mirrored" not in found        # one device per process: no mirrored candidate
     one = planner.runtime_families(facts)
     assert "multi_worker" not in one and {"default", "mirrored", "dtensor"} <= set(one)
+
+
+def test_an_uncapped_trial_counts_its_anonymous_peak_not_the_shared_libraries(tmp_path):
+    """Without a cgroup of its own a trial's peak is its peak resident set
+    less the file-backed pages it maps (TensorFlow's libraries, shared from
+    the page cache and not charged to a cgroup again): measured on one run,
+    721 MiB resident, 315 MiB cgroup peak. The control: the resident peak
+    alone would count the 400 MiB of libraries."""
+    from tfdist.planner import trial
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  737364 kB\nVmRSS:\t  700000 kB\n"
+                      "RssAnon:\t  280240 kB\nRssFile:\t  419760 kB\nRssShmem:\t    1024 kB\n")
+    assert trial._anonymous_peak(str(status)) == (737364 - 419760 - 1024) * 1024
+    assert trial._anonymous_peak(str(status)) < 737364 * 1024 - 400 * 2**20
+    status.write_text("Name:\tpython\n")
+    assert trial._anonymous_peak(str(status)) is None
+
+
+def test_a_trial_process_reports_a_peak_below_its_resident_set():
+    """This process measured as a trial measures itself: the anonymous peak
+    is positive and below the resident peak (the control: ru_maxrss)."""
+    import resource
+    from tfdist.planner import trial
+    found, measured_as = trial.peak()
+    assert measured_as in ("anonymous", "cgroup")
+    resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert 0 < found < resident
+
+
+def test_horovod_is_a_candidate_for_worker_processes_where_it_is_built(facts, monkeypatch):
+    """Planned for two worker processes, Horovod's ranks are candidates beside
+    multi_worker's (same terms: the trials tell their collectives apart), and
+    only where Horovod is installed; `--strategy=auto` started as a TF_CONFIG
+    cluster cannot switch to horovodrun, so its launches leave Horovod out.
+    The controls: installed and any launch, they are there."""
+    import importlib.util
+    from tfdist.strategies import records
+    cluster = _cluster(facts, 2, 1e9)
+    found = {c.engine for c in _candidates(cluster, lossy=False) if not c.dropped}
+    assert {"multi_worker", "horovod"} <= found
+    workers = dataclasses.replace(cluster, host=dataclasses.replace(
+        cluster.host, launches=(records.WORKERS, records.ONE_OR_WORKERS)))
+    found = {c.engine for c in _candidates(workers, lossy=False) if not c.dropped}
+    assert "multi_worker" in found and "horovod" not in found
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "horovod" else real(name, *a))
+    assert "horovod" not in {c.engine for c in _candidates(cluster, lossy=False)}
+
+
+def test_a_trial_starts_its_processes_as_its_engine_does(tmp_path):
+    """One process alone; a TF_CONFIG cluster under tfdist-launch (also for a
+    memory cap); Horovod's ranks under horovodrun, which cannot cap each
+    rank: a one-line refusal instead of an uncapped trial."""
+    from tfdist.planner import trials
+    spec, out = str(tmp_path / "spec.json"), str(tmp_path)
+
+    def start(strategy, processes, cap=None):
+        return trials.command([[f"--strategy={strategy}"]], processes, cap, spec, out)
+
+    assert start("default", 1)[1:3] == ["-m", "tfdist.planner.trial"]
+    launched = start("multi_worker", 2)
+    assert launched[0].endswith("tfdist-launch") and "--workers=2" in launched
+    assert "--worker_memory=1000" in start("default", 1, cap=1000)
+    ranks = start("horovod", 2)
+    assert ranks[0].endswith("horovodrun") and ranks[1:5] == ["-np", "2", "-H", "localhost:2"]
+    assert ranks[ranks.index("-m") - 1] == trials.sys.executable
+    with pytest.raises(UsageError, match="horovodrun"):
+        start("horovod", 2, cap=1000)
+    refused = trials.run([["--strategy=horovod"]], processes=2, cap=1000, work_dir=out)
+    assert not refused.ok and "horovodrun" in refused.reason
+
+
+def test_the_plan_says_how_to_start_its_winner():
+    from tfdist.strategies import records
+    flagfile = "--flagfile=plan.cfg"
+    assert records.local_command(strategies.engine("dtensor"), 1, flagfile) == \
+        "tfdist-train --flagfile=plan.cfg"
+    assert records.local_command(strategies.engine("multi_worker"), 2, flagfile) == \
+        "tfdist-launch --workers=2 -- tfdist-train --flagfile=plan.cfg"
+    assert records.local_command(strategies.engine("horovod"), 4, flagfile) == \
+        "horovodrun -np 4 -H localhost:4 --gloo tfdist-train --flagfile=plan.cfg"

@@ -181,7 +181,8 @@ def _pct(value) -> str:
 
 
 def host_facts(config: RunConfig, memory_budget: Optional[int], processes: int,
-               lossy: bool, hosts: int = 1, link_bandwidth: Optional[float] = None) -> Host:
+               lossy: bool, hosts: int = 1, link_bandwidth: Optional[float] = None,
+               launches: tuple = ()) -> Host:
     from tfdist.observe import peak
     cores = len(os.sched_getaffinity(0))
     devices = config.strategy.virtual_devices or cores
@@ -196,24 +197,27 @@ def host_facts(config: RunConfig, memory_budget: Optional[int], processes: int,
         budget = min(budget, limit / (processes // hosts))
     link = {"link_bytes_per_s": link_bandwidth} if link_bandwidth else {}
     return Host(cpu=hardware.describe(), cores=cores, memory_budget=budget, devices=devices,
-                processes=processes, hosts=hosts, peak_flops=peaks, **link)
+                processes=processes, hosts=hosts, peak_flops=peaks, launches=tuple(launches),
+                **link)
 
 
 def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout_rules=None,
          memory_budget: Optional[int] = None, allow_lossy: bool = False, processes: int = 1,
          hosts: int = 1, link_bandwidth: Optional[float] = None,
          trials: int = DEFAULT_TRIALS, search_seconds: float = DEFAULT_SEARCH_SECONDS,
-         cap_trials: bool = False, log: Callable = print,
+         cap_trials: bool = False, launches: tuple = (), log: Callable = print,
          work_dir: Optional[str] = None) -> Plan:
     """Choose the engine and options for `config`'s model, data and global
     batch: `processes` worker processes over `hosts` hosts like this one
     (`link_bandwidth`, bytes/s each way, between them; trials run here, the
-    links are predicted). Raises `UsageError` for bad input and for a budget
-    no candidate fits."""
+    links are predicted; `launches`: only engines started one of these ways,
+    `records.LAUNCHES`, default any). Raises `UsageError` for bad input and
+    for a budget no candidate fits."""
     started = time.monotonic()
     _check(memory_budget, trials, spec, dataset_fn, processes, hosts, link_bandwidth)
     functions = functions_lib.records(model_fn, dataset_fn, layout_rules, spec)
-    host = host_facts(config, memory_budget, processes, allow_lossy, hosts, link_bandwidth)
+    host = host_facts(config, memory_budget, processes, allow_lossy, hosts, link_bandwidth,
+                      launches)
     log(f"planning on {host.cpu}, {host.cores} cores, {host.devices} devices per process, "
         f"{processes} process(es)"
         + (f" over {hosts} hosts, {host.link_bytes_per_s * 8 / 1e6:,.0f} Mbit/s between them"
@@ -309,8 +313,9 @@ def runtime_families(facts: Facts) -> dict:
     for engine in strategies.engines():
         cost = search_lib.cost_model(engine)
         flags = cost.runtime_flags(facts.host.devices) if cost else None
-        wanted = cost and (cost.family == strategies.REFERENCE
-                           or next(iter(cost.candidates(facts)), None) is not None)
+        startable = not facts.host.launches or engine.launch in facts.host.launches
+        wanted = cost and (cost.family == strategies.REFERENCE or (
+            startable and next(iter(cost.candidates(facts)), None) is not None))
         if flags and wanted:
             families.setdefault(cost.family, (flags, getattr(cost, "runtime_processes", 1)))
     return families

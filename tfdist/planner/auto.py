@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 from tfdist import cluster as cluster_lib
 from tfdist import strategies
+from tfdist.strategies import records
 from tfdist.config import RunConfig
 from tfdist.errors import UsageError
 from tfdist.observe import hardware
@@ -231,7 +232,8 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
         log(f"planning {key} for {processes} process(es) (written to {path})")
         base = config.replace(strategy=config.strategy.replace(name=strategies.REFERENCE))
         made = make_plan(base, model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
-                         layout_rules=layout_rules, log=log, **options)
+                         layout_rules=layout_rules, log=log, launches=_launches(spec_cluster),
+                         **options)
         record = {"what": what, "where": where, "engine": made.winner.engine,
                   "options": made.winner.options, "describe": made.winner.describe(),
                   "examples_per_sec": made.winner.measured_rate(),
@@ -241,6 +243,14 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
     return Choice(key=key, path=path, engine=record["engine"], options=record["options"],
                   describe=record.get("describe", record["engine"]),
                   runner_up=record.get("runner_up", ""), reused=reused)
+
+
+def _launches(spec_cluster) -> tuple:
+    """The engines' ways of starting that these processes were started by: a
+    TF_CONFIG cluster's workers, or one process."""
+    if spec_cluster:
+        return (records.WORKERS, records.ONE_OR_WORKERS)
+    return (records.ONE_PROCESS, records.ONE_OR_WORKERS)
 
 
 def _cluster_shape(config: RunConfig) -> tuple:

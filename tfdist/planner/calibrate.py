@@ -20,7 +20,7 @@ from tfdist.observe import hardware
 from tfdist.planner import trials as trials_lib
 from tfdist.planner.costs import Calibration, OneDeviceRun, Probe
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 # A loop of 100 steps, twice: an engine's resident memory grows over its first
 # long loop (dtensor's, by 0.14 GiB from a 10-step loop to a 100-step one, then
 # flat; one device's not at all), and a trial's loop is about as long. Without
@@ -67,7 +67,7 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
                for number, runs in enumerate(processes, 1)]
 
     def peak(record, size):
-        return record["peak_rss_bytes"] - buffer_bytes(2 * steps_per_loop * size)
+        return record["peak_bytes"] - buffer_bytes(2 * steps_per_loop * size)
 
     (first,), (second, *split), (compiled, *compiled_split) = [r.runs for r in results[:3]]
     parts = _parts(large)
@@ -87,7 +87,7 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
     return Calibration(
         points=((small, peak(first, small)), (large, peak(second, large))),
         rates=rates, baselines={}, peaks16=peaks16,
-        xla_bytes=max(0, compiled["peak_rss_bytes"] - second["peak_rss_bytes"]),
+        xla_bytes=max(0, compiled["peak_bytes"] - second["peak_bytes"]),
         times=((small, small / first["examples_per_sec"]),
                (large, large / second["examples_per_sec"])),
         micro_batch_seconds=further(second, split),
@@ -105,7 +105,7 @@ def _one_device_runs(processes: list, results: list, reads: float) -> list:
             # A later run's peak holds what the earlier left: not its own.
             found.append(OneDeviceRun(
                 options={k: v for k, v in options.items() if k != "global_batch_size"},
-                record=record, peak=record["peak_rss_bytes"] if index == 0 else None,
+                record=record, peak=record["peak_bytes"] if index == 0 else None,
                 seconds=result.seconds, reads=reads))
     return found
 

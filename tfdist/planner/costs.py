@@ -193,6 +193,10 @@ class Host:
     loopback_bytes_per_s: float = 1.0e9  # between the processes of one host
     loopback_latency_s: float = 1.0e-4
     local_bytes_per_s: float = 4.0e9    # between the devices of one process (memory copies)
+    # The ways of starting processes a choice may need (`records.LAUNCHES`):
+    # `--strategy=auto` can only run an engine the way its processes were
+    # started; empty: any (tfdist-plan prints how to start the winner).
+    launches: tuple = ()
 
     def one_host(self) -> "Host":
         """This cluster with every process on this host: what a trial runs."""

@@ -1,5 +1,7 @@
-"""Trials: candidates run for real in child processes (`trial.py`), bounded
-in time and, when asked, in memory (`tfdist-launch --worker_memory`), their
+"""Trials: candidates run for real in child processes (`trial.py`), started
+as their engine's processes start (one process; `tfdist-launch --workers=N`
+for a TF_CONFIG cluster; `horovodrun -np N` for Horovod's ranks), bounded in
+time and, when asked, in memory (`tfdist-launch --worker_memory`), their
 examples/s and each process's peak read back. A trial that fails, is
 OOM-killed or runs out of time is a result with a one-line reason."""
 
@@ -26,20 +28,49 @@ class TrialResult:
     reason: str                       # "" when ok, else one line
     seconds: float
     runs: list                        # per run of the chief: its record (trial.py)
-    peaks: list                       # per process: its peak resident bytes (last run)
+    peaks: list                       # per process: its peak bytes (last run; trial.py)
 
     @property
     def examples_per_sec(self) -> Optional[float]:
         return self.runs[-1].get("examples_per_sec") if self.runs else None
 
 
-def _launcher() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "tfdist-launch")
-    found = here if os.path.exists(here) else shutil.which("tfdist-launch")
+def _tool(name: str, install: str) -> str:
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = here if os.path.exists(here) else shutil.which(name)
     if not found:
-        raise UsageError("tfdist-launch is not installed beside this Python; reinstall tfdist "
-                         "(make install) to run multi-process trials")
+        raise UsageError(f"{name} is not installed beside this Python; {install}")
     return found
+
+
+def _launcher() -> str:
+    return _tool("tfdist-launch", "reinstall tfdist (make install) to run multi-process trials")
+
+
+def _launch_of(flags: list) -> str:
+    """How the engine a run's flags name starts its processes."""
+    from tfdist import strategies
+    name = next((f.split("=", 1)[1] for f in flags if f.startswith("--strategy=")),
+                strategies.REFERENCE)
+    return strategies.engine(name).launch
+
+
+def command(runs: list, processes: int, cap: Optional[int], spec: str, out: str) -> list:
+    """The trial's command: trial.py alone, or under the launcher its engine
+    needs for `processes` (or a cap). Horovod's ranks cannot be capped one
+    by one (horovodrun starts them): a UsageError."""
+    from tfdist.strategies import records
+    cmd = [sys.executable, "-m", "tfdist.planner.trial", spec, out]
+    if processes > 1 and _launch_of(runs[0]) == records.HOROVODRUN:
+        if cap:
+            raise UsageError("a memory cap per process needs tfdist-launch's processes; "
+                             "horovodrun starts Horovod's ranks itself")
+        return [_tool("horovodrun", "build Horovod with `make horovod`"), "-np", str(processes),
+                "-H", f"localhost:{processes}", "--gloo", *cmd]
+    if processes > 1 or cap:
+        return [_launcher(), f"--workers={processes}",
+                *([f"--worker_memory={cap}"] if cap else []), "--", *cmd]
+    return cmd
 
 
 def run(runs: list, *, processes: int = 1, functions: Optional[dict] = None,
@@ -51,10 +82,10 @@ def run(runs: list, *, processes: int = 1, functions: Optional[dict] = None,
     spec = os.path.join(out, "spec.json")
     with open(spec, "w") as f:
         json.dump({"runs": runs, **(functions or {})}, f)
-    cmd = [sys.executable, "-m", "tfdist.planner.trial", spec, out]
-    if processes > 1 or cap:
-        cmd = [_launcher(), f"--workers={processes}",
-               *([f"--worker_memory={cap}"] if cap else []), "--", *cmd]
+    try:
+        cmd = command(runs, processes, cap, spec, out)
+    except UsageError as error:
+        return TrialResult(ok=False, reason=str(error), seconds=0.0, runs=[], peaks=[])
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     log_path = os.path.join(out, "log")
@@ -76,7 +107,7 @@ def run(runs: list, *, processes: int = 1, functions: Optional[dict] = None,
         mine = sorted(glob.glob(os.path.join(out, f"run-{task}-*.json")))
         if mine:
             record = _read(mine[-1])
-            peaks.append(record.get("cgroup_peak_bytes") or record["peak_rss_bytes"])
+            peaks.append(record["peak_bytes"])
     ok = rc == 0 and not late and len(runs) == len(_expected(out))
     reason = "" if ok else (f"did not finish in {timeout:.0f} s" if late
                             else _reason(log_path, rc))

@@ -41,7 +41,7 @@ BUILT_IN = (
            processes=2, cost="tfdist.strategies.data_parallel_cost:MULTI_WORKER"),
     Engine("horovod", "tfdist.strategies.horovod.engine:HorovodStrategy",
            "data parallel over Horovod ranks under horovodrun (`make horovod` builds it)",
-           launch=HOROVODRUN, processes=2),
+           launch=HOROVODRUN, processes=2, cost="tfdist.strategies.data_parallel_cost:HOROVOD"),
     Engine("dtensor", "tfdist.strategies.dtensor.engine:DTensorStrategy",
            "tensor sharding over a --mesh with ZeRO stages 0-3, in one process or "
            "across workers", launch=ONE_OR_WORKERS, cluster=_WORKERS_IF_ANY,

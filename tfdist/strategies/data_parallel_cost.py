@@ -1,13 +1,16 @@
 """The cost models of the data-parallel engines that keep a whole replica per
 device or process: `default` (one device), `mirrored` (this process's
-devices), `multi_worker` (one replica per process, its gradients
-exchanged whole, cast, compressed, or its weights averaged every few steps).
+devices), `multi_worker` and `horovod` (one replica per process, its
+gradients exchanged whole, cast, compressed, or its weights averaged every
+few steps; the two differ in their collectives' implementation, which the
+search's trials measure).
 Each engine's record names its model here (`Engine.cost`); the shared terms
 are `tfdist.planner.costs`. No TensorFlow."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 from tfdist.config import TrainConfig
@@ -106,14 +109,15 @@ class LocalReplicas:
 
 
 class ReplicaPerProcess:
-    """`multi_worker`: one replica per process, the gradients
-    all-reduced over the cluster's links."""
+    """`multi_worker`, `horovod`: one replica per process, the gradients
+    all-reduced over the cluster's links. `needs`: the module the engine
+    imports, without which it has no candidates (Horovod is built apart)."""
 
-    def __init__(self, family: str):
-        self.family = family
+    def __init__(self, family: str, needs: str = ""):
+        self.family, self.needs = family, needs
 
-    # Its runtime is measured with two processes (tfdist-launch's cluster),
-    # each with its collective runtime and gRPC server.
+    # Its runtime is measured with two processes (started as the engine's are),
+    # each with its collective runtime (gRPC server, or Gloo's).
     runtime_processes = 2
 
     def runtime_flags(self, devices: int) -> list:
@@ -124,6 +128,8 @@ class ReplicaPerProcess:
         return facts.host.processes
 
     def candidates(self, facts: Facts):
+        if self.needs and importlib.util.find_spec(self.needs) is None:
+            return
         if facts.host.processes > 1:
             yield {"virtual_devices": 1}
             for kind in COMPRESSIONS:
@@ -210,3 +216,4 @@ def _compression_compute(facts: Facts, kind: str) -> dict:
 ONE_DEVICE = OneDevice()
 LOCAL_REPLICAS = LocalReplicas()
 MULTI_WORKER = ReplicaPerProcess("multi_worker")
+HOROVOD = ReplicaPerProcess("horovod", needs="horovod")

@@ -72,6 +72,19 @@ def command(engine: Engine) -> str:
     return _COMMANDS[engine.launch].format(name=engine.name)
 
 
+def local_command(engine: Engine, processes: int, arguments: str) -> str:
+    """The command starting `engine` with `processes` processes on this host
+    for tfdist-train `arguments` (e.g. a plan's --flagfile)."""
+    train = f"tfdist-train {arguments}"
+    if processes <= 1 or engine.launch == ONE_PROCESS:
+        return train
+    if engine.launch == HOROVODRUN:
+        return f"horovodrun -np {processes} -H localhost:{processes} --gloo {train}"
+    if engine.launch == PS_CLUSTER:
+        return f"tfdist-launch --workers={processes} --ps=1 -- {train}"
+    return f"tfdist-launch --workers={processes} -- {train}"
+
+
 def of(name: str, entry) -> Engine:
     """`entry` as an Engine: a record, or an adapter (class or "module:Class")
     registered on its own (its summary the first line of its docstring)."""
