@@ -103,7 +103,7 @@ def _grid(name: str, work: str, passes: int, log=print):
     functions = functions_lib.records(model_fn, dataset_fn, spec=spec)
     search = search_lib.Search(facts=plan.facts, functions=functions, trials=0,
                                seconds=1e9, log=lambda line: None, work_dir=work,
-                               trial_config=lambda c: trial_config(config, c))
+                               trial_config=lambda c: trial_config(config, c, plan.facts))
     grid = search_lib.rank(plan.candidates)
     passes_run = []
     for number in range(passes):

@@ -379,24 +379,53 @@ def test_a_cluster_that_cannot_be_planned_is_refused_before_any_measurement(
                     log=lambda line: None)
 
 
-def test_a_lossy_choice_wins_only_where_it_is_clearly_faster(facts):
+def test_a_lossy_choice_wins_only_where_it_is_clearly_faster_at_a_small_loss(facts):
     """The winner keeps the math unless a lossy candidate measured at least
-    LOSSY_GAIN times faster than the best lossless one."""
+    LOSSY_GAIN times faster than the best lossless one and its training
+    loss within LOSS_ALLOWANCE of the float32 one-device run's after the
+    same steps, as a share of that run's reduction of the loss. The
+    controls: as fast but 10% of that reduction behind, or its loss from a
+    trial of another length (not comparable), it does not win."""
     found = [c for c in _candidates(_cluster(facts, 1, 100e6 / 8), lossy=True)
              if not c.dropped]
     kept = next(c for c in found if c.lossless)
     lossy = next(c for c in found if not c.lossless)
+    calibration = dataclasses.replace(facts.calibration, loop_steps=20, reference_loss=2.0,
+                                      start_loss=3.0)
 
-    def measured(candidate, rate):
+    def measured(candidate, rate, loss=2.0, loop=20):
         candidate.trial = search.trials_lib.TrialResult(
-            ok=True, reason="", seconds=1.0, runs=[{"examples_per_sec": rate}], peaks=[5e8])
+            ok=True, reason="", seconds=1.0, runs=[{"examples_per_sec": rate, "loss": loss}],
+            peaks=[5e8])
+        candidate.trial_loop = loop
+
+    def chosen():
+        return search.winner([kept, lossy], facts.global_batch, calibration)
 
     measured(kept, 100.0)
-    measured(lossy, 105.0)
-    assert search.winner([kept, lossy], facts.global_batch) is kept
-    measured(lossy, 111.0)
-    assert search.winner([kept, lossy], facts.global_batch) is lossy
+    measured(lossy, 105.0, loss=2.01)
+    assert chosen() is kept
+    measured(lossy, 111.0, loss=2.01)
+    assert chosen() is lossy and lossy.loss_change(calibration) == pytest.approx(0.01)
+    measured(lossy, 111.0, loss=2.1)
+    assert chosen() is kept
+    measured(lossy, 111.0, loss=2.01, loop=30)
+    assert lossy.loss_change(calibration) is None and chosen() is kept
 
+
+def test_a_trial_that_changes_the_math_runs_the_calibrations_loops(facts):
+    """Its loss is then comparable with the reference run's; a lossless
+    candidate's trial is sized by its own predicted step time (the control)."""
+    from tfdist.planner import trial_config
+    calibrated = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, loop_steps=37, reference_loss=2.0))
+    found = [c for c in _candidates(_cluster(calibrated, 1, 100e6 / 8), lossy=True)
+             if not c.dropped]
+    lossy = next(c for c in found if not c.lossless)
+    kept = next(c for c in found if c.lossless)
+    config = run_config(batch=32).replace(model=MODEL)
+    assert trial_config(config, lossy, calibrated).train.steps_per_loop == 37
+    assert trial_config(config, kept, calibrated).train.steps_per_loop != 37
 
 def test_a_tensor_parallel_mesh_over_hosts_sums_its_activations_over_the_link(facts):
     """A `model` axis larger than a process's devices spans processes: its
@@ -682,3 +711,25 @@ def test_the_plan_says_how_to_start_its_winner():
         "tfdist-launch --workers=2 -- tfdist-train --flagfile=plan.cfg"
     assert records.local_command(strategies.engine("horovod"), 4, flagfile) == \
         "horovodrun -np 4 -H localhost:4 --gloo tfdist-train --flagfile=plan.cfg"
+
+
+def test_calibration_measures_the_loss_at_the_start_and_the_reference_run(monkeypatch):
+    """One-step loops after the quarter batch give the loss at the start;
+    the float32 whole-batch run's loss is the reference, its loop the length
+    lossy trials run. The start run is not a candidate's measurement."""
+    from tfdist.planner import calibrate
+
+    def run(runs, **kw):
+        records = []
+        for flags in runs:
+            one_step = "--steps_per_loop=1" in flags
+            records.append({"examples_per_sec": 1000.0, "peak_bytes": 2**29,
+                            "loss": 3.0 if one_step else 2.0})
+        return _result(records)
+    monkeypatch.setattr(calibrate.trials_lib, "run", run)
+    calibration = calibrate.measure(run_config(batch=32), 4, False, {}, lambda line: None,
+                                    None, 60.0, lambda examples: 0.0)
+    assert (calibration.start_loss, calibration.reference_loss) == (3.0, 2.0)
+    assert calibration.loop_steps == 4
+    assert all(r.options.get("loop") is None and r.record["loss"] == 2.0
+               for r in calibration.runs)

@@ -72,6 +72,7 @@ class Plan:
                 "measured_examples_per_sec": rate,
                 "expected_examples_per_sec": c.expected_rate(batch),
                 "mfu": self._mfu(c, rate),
+                "loss_change": c.loss_change(self.facts.calibration),
                 "status": ("chosen" if c is self.winner
                            else "measured in calibration" if c.calibrated
                            else "tried" if c.trial and c.trial.ok
@@ -86,12 +87,19 @@ class Plan:
         return rate * flops / peak if rate and flops and peak else None
 
     def table(self, limit: int = 20) -> str:
+        """The rows as Markdown; where choices that change the math were
+        allowed, with each trial's training loss against the float32
+        one-device run's after the same steps (what the change cost)."""
         rows = self.rows()
         hosts = self.facts.host.hosts
         measured = (f"measured here (expected over {hosts} hosts)" if hosts > 1
                     else "measured")
+        lossy = any(not c.lossless for c in self.candidates)
+        loss = (f" loss vs float32 one device after {2 * self.facts.calibration.loop_steps} "
+                "steps (share of its reduction) |" if lossy else "")
+        empty = " |" * (3 + lossy)   # the cells between a candidate and the status
         lines = ["| # | candidate | memory GiB predicted / measured | examples/s predicted / "
-                 f"{measured} | MFU | status |", "|---|---|---|---|---|---|"]
+                 f"{measured} | MFU |{loss} status |", "|---" * (6 + lossy) + "|"]
         shown = [r for r in rows if not r["status"].startswith("dropped")][:limit]
         dropped = [r for r in rows if r["status"].startswith("dropped")]
         for number, r in enumerate(shown, 1):
@@ -101,15 +109,17 @@ class Plan:
                          f"{_num(r['measured_examples_per_sec'], 0)}"
                          + (f" ({_num(r['expected_examples_per_sec'], 0)})" if hosts > 1
                             and r["measured_examples_per_sec"] else "")
-                         + f" | {_pct(r['mfu'])} | {r['status']} |")
+                         + f" | {_pct(r['mfu'])} |"
+                         + (f" {_change(r['loss_change'])} |" if lossy else "")
+                         + f" {r['status']} |")
         live = sum(1 for r in rows if not r["status"].startswith("dropped"))
         if live > len(shown):
-            lines.append(f"| | ... {live - len(shown)} more not tried | | | | |")
+            lines.append(f"| | ... {live - len(shown)} more not tried |{empty} |")
         reasons = {}
         for r in dropped:
             reasons.setdefault(r["status"][len("dropped: "):], []).append(r["candidate"])
         for reason, names in sorted(reasons.items()):
-            lines.append(f"| | {len(names)} dropped, e.g. {names[0]} | | | | {reason} |")
+            lines.append(f"| | {len(names)} dropped, e.g. {names[0]} |{empty} {reason} |")
         return "\n".join(lines)
 
     def explain(self, candidate: Optional[Candidate] = None) -> str:
@@ -176,6 +186,10 @@ def _num(value, digits) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _change(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
 def _pct(value) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -236,7 +250,7 @@ def plan(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None, layout
         search = search_lib.Search(
             facts=facts, functions=functions, trials=trials,
             seconds=search_seconds - (time.monotonic() - started), cap=cap_trials, log=log,
-            work_dir=scratch, trial_config=lambda c: trial_config(config, c))
+            work_dir=scratch, trial_config=lambda c: trial_config(config, c, facts))
         winner = search_lib.run(search, candidates)
     if winner is None:
         failed = [c for c in candidates if c.trial]
@@ -321,11 +335,18 @@ def runtime_families(facts: Facts) -> dict:
     return families
 
 
-def trial_config(config: RunConfig, candidate: Candidate) -> RunConfig:
-    """`candidate`'s configuration, made a trial's (`calibrate.trial_config`)."""
+def trial_config(config: RunConfig, candidate: Candidate,
+                 facts: Optional[Facts] = None) -> RunConfig:
+    """`candidate`'s configuration, made a trial's (`calibrate.trial_config`):
+    loops of about TIMED_SECONDS, or, for a candidate that changes the math,
+    the calibration's loops (in `facts`), so that its loss compares with the
+    float32 one-device run's (`Candidate.loss_change`)."""
     from tfdist.planner import calibrate
+    steps = (facts.calibration.loop_steps
+             if facts and facts.calibration and facts.calibration.loop_steps
+             and not candidate.lossless else _trial_steps(candidate.predicted_seconds()))
     return calibrate.trial_config(search_lib.apply(config, candidate.engine, candidate.options),
-                                  _trial_steps(candidate.predicted_seconds()))
+                                  steps)
 
 
 # A trial times its second loop (the first compiles): long enough that the

@@ -69,7 +69,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
     def peak(record, size):
         return record["peak_bytes"] - buffer_bytes(2 * steps_per_loop * size)
 
-    (first,), (second, *split), (compiled, *compiled_split) = [r.runs for r in results[:3]]
+    (first, start), (second, *split), (compiled, *compiled_split) = [
+        r.runs for r in results[:3]]
     parts = _parts(large)
 
     def further(whole, in_parts):   # seconds each further micro-batch adds
@@ -92,6 +93,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
                (large, large / second["examples_per_sec"])),
         micro_batch_seconds=further(second, split),
         micro_batch_seconds_xla=further(compiled, compiled_split),
+        loop_steps=steps_per_loop, reference_loss=second.get("loss"),
+        start_loss=start.get("loss"),
         runs=(_one_device_runs(processes[1:], results[1:], 2 * steps_per_loop * large)
               if large == batch else []))
 
@@ -121,7 +124,12 @@ def _processes(small: int, large: int, lossy: bool) -> list:
     parts = _parts(large)
     split = {jit: [run("float32", jit, large, parts)] if parts > 1 else []
              for jit in ("off", "on")}
-    processes = [[run("float32", "off", small)], [run("float32", "off", large), *split["off"]],
+    # After the quarter batch (its record, peak included, is written first):
+    # loops of one step, whose loss is the loss at the start, the scale of
+    # what training reduces it by (`Calibration.start_loss`).
+    start = {**run("float32", "off", small), "loop": 1}
+    processes = [[run("float32", "off", small), start],
+                 [run("float32", "off", large), *split["off"]],
                  [run("float32", "on", large), *split["on"]]]
     if lossy:
         processes.append([run("mixed_bfloat16", "off", large),
@@ -131,6 +139,8 @@ def _processes(small: int, large: int, lossy: bool) -> list:
 
 def _flags(config: RunConfig, steps_per_loop: int, options: dict) -> list:
     """A calibration run's tfdist-train flags: `config` on one device with `options`."""
+    options = dict(options)
+    steps_per_loop = options.pop("loop", steps_per_loop)
     one = config.replace(
         strategy=dataclasses.replace(config.strategy, name=strategies.REFERENCE,
                                      virtual_devices=1),
@@ -158,6 +168,8 @@ def _calibration_run(number, count, config, steps_per_loop, runs, functions, log
 
 def _describe(options: dict) -> str:
     accum = options["accum_steps"]
+    if options.get("loop"):
+        return f"{options['loop']}-step loops (the loss at the start)"
     return (f"{options['precision']} batch {options['global_batch_size']} "
             f"XLA {options['jit_compile']}" + (f" in {accum} micro-batches" if accum != 1
                                                else ""))

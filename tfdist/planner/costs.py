@@ -166,6 +166,15 @@ class Calibration:
     micro_batch_seconds_xla: Optional[float] = None
     probe: Optional[Probe] = None
     runs: list = dataclasses.field(default_factory=list)
+    # The loop the calibration ran (two of them), and the training loss of its
+    # float32 one-device run at the whole batch: the math every candidate
+    # keeps or changes, on the same data from the same weights. A trial of
+    # the same length compares its loss with it (`Candidate.loss_change`), as
+    # a share of what the reference reduced the loss by from the start
+    # (`start_loss`: a run's second step, one-step loops).
+    loop_steps: int = 0
+    reference_loss: Optional[float] = None
+    start_loss: Optional[float] = None
 
     def slope(self) -> float:
         """Activation bytes per example (float32), from the two batch sizes."""
