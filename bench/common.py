@@ -63,7 +63,8 @@ SECTIONS = ("vs_fit", "profile_vs_fit", "features", "scaling", "horovod_vs_multi
             "slow_link",
             "compression_accuracy_cnn", "compression_accuracy_transformer",
             "compression_accuracy_transformer_adam0.001",
-            "planner", "planner_memory", "planner_link")
+            "planner", "planner_memory", "planner_cnn_transformer",
+            "planner_memory_cnn_transformer", "planner_link")
 
 
 def versions_line() -> str:

@@ -24,6 +24,11 @@ Ratios, not absolute times: 2 shared cores. Usage:
 
     python bench/planner.py [--models=mlp,residual,wide_deep] [--grid_passes=1]
     python bench/planner.py --memory_only [--models=...]
+    python bench/planner.py --models=cnn,transformer --suffix=_cnn_transformer
+
+--suffix names the results apart (bench/results/planner<suffix>.md and
+planner_memory<suffix>.md), so that models measured in another run keep
+their tables.
 
 --memory_only runs the planner's search and the grid only, and writes each
 grid run's predicted and measured peak, term by term
@@ -209,6 +214,8 @@ def main() -> None:
     parser.add_argument("--grid_passes", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory_only", action="store_true")
+    parser.add_argument("--suffix", default="", choices=("", "_cnn_transformer"),
+                        help="results in bench/results/planner<suffix>.md")
     parser.add_argument("--fit_child", help=argparse.SUPPRESS)
     parser.add_argument("--fit_steps_per_execution", type=int, default=20,
                         help=argparse.SUPPRESS)
@@ -267,14 +274,16 @@ def main() -> None:
              "anonymous peak: what its cgroup is charged with TensorFlow's libraries already "
              "in the page cache); the capped runs read their cgroup's peak.\n\n"
              + common.markdown_table(cap_rows, cap_header))
-    common.finish("planner", "The planner against the exhaustive grid", description, rows,
-                  header, clock, after=after)
-    write_memory(memory)
+    models = "" if not args.suffix else f" ({', '.join(args.models.split(','))})"
+    common.finish(f"planner{args.suffix}", f"The planner against the exhaustive grid{models}",
+                  description, rows, header, clock, after=after)
+    write_memory(memory, args.suffix, models)
 
 
-def write_memory(rows: list) -> None:
-    """The memory model's error per grid run (bench/results/planner_memory.md)."""
-    common.write_section("planner_memory", "The planner's memory model per configuration",
+def write_memory(rows: list, suffix: str = "", models: str = "") -> None:
+    """The memory model's error per grid run (bench/results/planner_memory<suffix>.md)."""
+    common.write_section(f"planner_memory{suffix}",
+                         f"The planner's memory model per configuration{models}",
                          MEMORY_DESCRIPTION + "\n\n" + common.markdown_table(rows, MEMORY_HEADER))
 
 
@@ -356,7 +365,11 @@ def capped(search, runs: list, pick: int, work: str) -> dict:
         result = trials_lib.run([config_lib.as_flags(search.trial_config(run))],
                                 processes=run.estimate.processes, functions=search.functions,
                                 cap=limit, timeout=300, work_dir=work)
-        return ("finished" if result.ok else result.reason), result
+        if result.ok:
+            return "finished", result
+        killed = "OOM killer" in result.reason
+        return ("OOM-killed (the kernel's OOM killer at the cap)" if killed
+                else result.reason), result
 
     estimated = [r for r in runs if r.trial_estimate]
     control = max(estimated, key=lambda r: r.trial_estimate.peak_bytes)
@@ -382,7 +395,7 @@ def memory_only(args, clock) -> None:
             for row in memory_rows(name, passes[0]):
                 common.print_row(row, MEMORY_HEADER)
                 rows.append(row)
-    common.finish("planner_memory", "The planner's memory model per configuration",
+    common.finish(f"planner_memory{args.suffix}", "The planner's memory model per configuration",
                   MEMORY_DESCRIPTION, rows, MEMORY_HEADER, clock)
 
 
