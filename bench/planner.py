@@ -90,8 +90,10 @@ def _setup(name: str):
     if name == "wide_deep":
         return (tfdist.RunConfig(**base), outside.wide_deep_fn, outside.ids_fn, outside.TOKENS)
     width = {"mlp": 512, "cnn": 32, "transformer": 128}[name]
+    dataset = {"transformer": "tfdist_tokens"}.get(name, "tfdist_shapes")
     return (tfdist.RunConfig(**base, model=tfdist.ModelConfig(name=name, width=width),
-                             data=tfdist.DataConfig(synthetic=True)), None, None, None)
+                             data=tfdist.DataConfig(dataset=dataset, synthetic=True)),
+            None, None, None)
 
 
 def _fresh(candidate):

@@ -19,7 +19,9 @@ import tempfile
 import time
 from typing import Optional
 
+from tfdist import strategies
 from tfdist.errors import UsageError
+from tfdist.strategies import records
 
 
 @dataclasses.dataclass
@@ -49,7 +51,6 @@ def _launcher() -> str:
 
 def _launch_of(flags: list) -> str:
     """How the engine a run's flags name starts its processes."""
-    from tfdist import strategies
     name = next((f.split("=", 1)[1] for f in flags if f.startswith("--strategy=")),
                 strategies.REFERENCE)
     return strategies.engine(name).launch
@@ -59,7 +60,6 @@ def command(runs: list, processes: int, cap: Optional[int], spec: str, out: str)
     """The trial's command: trial.py alone, or under the launcher its engine
     needs for `processes` (or a cap). Horovod's ranks cannot be capped one
     by one (horovodrun starts them): a UsageError."""
-    from tfdist.strategies import records
     cmd = [sys.executable, "-m", "tfdist.planner.trial", spec, out]
     if processes > 1 and _launch_of(runs[0]) == records.HOROVODRUN:
         if cap:
