@@ -7,6 +7,7 @@ cached per host, TensorFlow and tfdist version)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Callable, Optional
@@ -71,12 +72,7 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
 
     (first, start), (second, *split), (compiled, *compiled_split) = [
         r.runs for r in results[:3]]
-    parts = _parts(large)
-
-    def further(whole, in_parts):   # seconds each further micro-batch adds
-        return (max(0.0, (large / in_parts[0]["examples_per_sec"]
-                          - large / whole["examples_per_sec"]) / (parts - 1))
-                if in_parts else None)
+    further = functools.partial(_further, large, _parts(large))
 
     rates = {("float32", "off"): second["examples_per_sec"],
              ("float32", "on"): compiled["examples_per_sec"]}
@@ -97,6 +93,15 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         start_loss=start.get("loss"),
         runs=(_one_device_runs(processes[1:], results[1:], 2 * steps_per_loop * large)
               if large == batch else []))
+
+
+def _further(batch: int, parts: int, whole: dict, in_parts: list) -> Optional[float]:
+    """The seconds each further micro-batch adds: `whole`'s run at `batch`
+    against the same batch in `parts` micro-batches (`in_parts`, if run)."""
+    if not in_parts:
+        return None
+    return max(0.0, (batch / in_parts[0]["examples_per_sec"]
+                     - batch / whole["examples_per_sec"]) / (parts - 1))
 
 
 def _one_device_runs(processes: list, results: list, reads: float) -> list:
