@@ -103,8 +103,8 @@ def _launch_horovod(opts, argv: list) -> list:
     if importlib.util.find_spec("horovod") is None:
         raise UsageError("--strategy=horovod: Horovod is not installed in this "
                          "environment; build it with `make horovod`")
-    return [_tool("horovodrun"), "-np", str(opts.workers), "-H", f"localhost:{opts.workers}",
-            "--gloo", *argv]
+    tool, *words = engines_lib.local_launcher(engines_lib.HOROVODRUN, opts.workers)
+    return [_tool(tool), *words, *argv]
 
 
 def _launch_workers_if_asked(opts, argv: list) -> list:

@@ -327,9 +327,8 @@ def runtime_families(facts: Facts) -> dict:
     for engine in strategies.engines():
         cost = search_lib.cost_model(engine)
         flags = cost.runtime_flags(facts.host.devices) if cost else None
-        startable = not facts.host.launches or engine.launch in facts.host.launches
         wanted = cost and (cost.family == strategies.REFERENCE or (
-            startable and next(iter(cost.candidates(facts)), None) is not None))
+            facts.host.can_start(engine) and next(iter(cost.candidates(facts)), None) is not None))
         if flags and wanted:
             families.setdefault(cost.family, (flags, getattr(cost, "runtime_processes", 1)))
     return families

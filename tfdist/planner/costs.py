@@ -207,6 +207,10 @@ class Host:
     # started; empty: any (tfdist-plan prints how to start the winner).
     launches: tuple = ()
 
+    def can_start(self, engine) -> bool:
+        """Whether a choice may need `engine`'s way of starting processes."""
+        return not self.launches or engine.launch in self.launches
+
     def one_host(self) -> "Host":
         """This cluster with every process on this host: what a trial runs."""
         return dataclasses.replace(self, hosts=1)

@@ -182,7 +182,7 @@ def enumerate_candidates(facts: Facts, lossy: bool) -> list:
         model = cost_model(engine)
         if model is None or (not engine.synchronous and not lossy):
             continue
-        if facts.host.launches and engine.launch not in facts.host.launches:
+        if not facts.host.can_start(engine):
             continue      # these processes were not started as its are
         xla = strategies.adapter_class(engine).supports_xla   # the engine's own fact
         for layout in model.candidates(facts):

@@ -65,8 +65,8 @@ def command(runs: list, processes: int, cap: Optional[int], spec: str, out: str)
         if cap:
             raise UsageError("a memory cap per process needs tfdist-launch's processes; "
                              "horovodrun starts Horovod's ranks itself")
-        return [_tool("horovodrun", "build Horovod with `make horovod`"), "-np", str(processes),
-                "-H", f"localhost:{processes}", "--gloo", *cmd]
+        tool, *words = records.local_launcher(records.HOROVODRUN, processes)
+        return [_tool(tool, "build Horovod with `make horovod`"), *words, *cmd]
     if processes > 1 or cap:
         return [_launcher(), f"--workers={processes}",
                 *([f"--worker_memory={cap}"] if cap else []), "--", *cmd]

@@ -72,17 +72,21 @@ def command(engine: Engine) -> str:
     return _COMMANDS[engine.launch].format(name=engine.name)
 
 
+def local_launcher(launch: str, processes: int) -> list:
+    """The command words before a process's own that start `processes`
+    processes on this host the way `launch` says ([] for one process)."""
+    if processes <= 1 or launch == ONE_PROCESS:
+        return []
+    if launch == HOROVODRUN:
+        return ["horovodrun", "-np", str(processes), "-H", f"localhost:{processes}", "--gloo"]
+    ps = ["--ps=1"] if launch == PS_CLUSTER else []
+    return ["tfdist-launch", f"--workers={processes}", *ps, "--"]
+
+
 def local_command(engine: Engine, processes: int, arguments: str) -> str:
     """The command starting `engine` with `processes` processes on this host
     for tfdist-train `arguments` (e.g. a plan's --flagfile)."""
-    train = f"tfdist-train {arguments}"
-    if processes <= 1 or engine.launch == ONE_PROCESS:
-        return train
-    if engine.launch == HOROVODRUN:
-        return f"horovodrun -np {processes} -H localhost:{processes} --gloo {train}"
-    if engine.launch == PS_CLUSTER:
-        return f"tfdist-launch --workers={processes} --ps=1 -- {train}"
-    return f"tfdist-launch --workers={processes} -- {train}"
+    return " ".join([*local_launcher(engine.launch, processes), f"tfdist-train {arguments}"])
 
 
 def of(name: str, entry) -> Engine:
