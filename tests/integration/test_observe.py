@@ -87,14 +87,18 @@ def test_jit_compile_on_matches_off(strategy):
     agree to rounding, not bit for bit: 1e-4 absolute bounds a few ulps of
     each step's update (lr 1e-3) with room, and catches any real difference
     (a missed or doubled update moves weights by ~1e-3)."""
-    def config(jit):
+    def config(jit, accum_steps=1):
         return run_config(strategy, optimizer="adam", learning_rate=1e-3, batch=64, depth=2,
-                          jit_compile=jit)
+                          jit_compile=jit, accum_steps=accum_steps)
     initial = _initial(config("off"))
     off = train_from(config("off"), initial)
     on = train_from(config("on"), initial)
     assert on.summary["jit_compile"] == xla.STEP and off.summary["jit_compile"] == xla.OFF
     assert_weights_close(on.model.get_weights(), off.model.get_weights(), rtol=0, atol=1e-4)
+    # Micro-batches compiled one by one, their loop in TensorFlow: the same update.
+    accumulated = train_from(config("on", accum_steps=2), initial)
+    assert_weights_close(accumulated.model.get_weights(), off.model.get_weights(), rtol=0,
+                         atol=1e-4)
     assert max(np.abs(w - i).max() for w, i in zip(on.model.get_weights(), initial)) > 1e-3
     # Every device's copy was updated (the fused update runs once per copy).
     for variable in on.model.trainable_variables:

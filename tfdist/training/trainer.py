@@ -100,7 +100,8 @@ class Trainer(LocalSGDSteps):
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         # XLA outside a whole-step compilation: each variable's optimizer
         # update fused into one kernel.
-        if jit_level == xla.OPTIMIZER or (jit_level == xla.STEP and not strategy.xla_whole_step):
+        if jit_level == xla.OPTIMIZER or (jit_level == xla.STEP and (
+                not strategy.xla_whole_step or self._micro_batches_compiled)):
             xla.fuse_optimizer_update(optimizer)
         self.compile_loops()
 
@@ -128,9 +129,14 @@ class Trainer(LocalSGDSteps):
         number of replicas (an elastic engine's membership change needs fresh
         ones). XLA: the whole replica step where the engine's sum is no
         collective; else the gradients (and the update, fused per variable)
-        around the sum."""
+        around the sum; with micro-batches, each micro-batch's gradients
+        (their loop stays in TensorFlow: `xla`)."""
         self._step_fn, self._gradients_fn = self._replica_train_step, self._local_gradients
-        if self.jit_level == xla.STEP and self.strategy.xla_whole_step:
+        self._micro_fn = self._micro_batch_gradients
+        if self._micro_batches_compiled:
+            self._micro_fn = tf.function(self._micro_batch_gradients, jit_compile=True,
+                                         autograph=False)
+        elif self.jit_level == xla.STEP and self.strategy.xla_whole_step:
             self._step_fn = tf.function(self._replica_train_step, jit_compile=True,
                                         autograph=False)
         elif self.jit_level == xla.STEP:
@@ -144,6 +150,12 @@ class Trainer(LocalSGDSteps):
         else:
             self._train_loop = self.strategy.host_function(loop_fn)
         self._eval_loop = self.strategy.host_function(self._eval_loop_fn)
+
+    @property
+    def _micro_batches_compiled(self) -> bool:
+        """Whether XLA compiles each micro-batch (not the step around their loop)."""
+        return (self.jit_level == xla.STEP and self.train_config.accum_steps > 1
+                and not self.sharded and not self.pipeline)
 
     # -- the host's calls ------------------------------------------------------
     def train_loop(self, iterator, num_steps: int, measure_agreement: bool) -> LoopTotals:
@@ -261,11 +273,11 @@ class Trainer(LocalSGDSteps):
         # (not k unrolled copies) keeps one micro-batch's activations alive.
         parts = tf.nest.map_structure(lambda t: tf.reshape(t, [k, -1, *t.shape[1:]]),
                                       (x, y, weight))
-        first = self._micro_batch_gradients(*_take(parts, 0))
+        first = self._micro_fn(*_take(parts, 0))
         data, separate, counters = first.data, first.regularization, first.counters
 
         def add(i, data, separate, counters):
-            more = self._micro_batch_gradients(*_take(parts, i))
+            more = self._micro_fn(*_take(parts, i))
             return ([g + m for g, m in zip(data, more.data)],
                     [g + m for g, m in zip(separate, more.regularization)],
                     counters + more.counters)

@@ -3,11 +3,19 @@
 Three levels, from what `bench/vs_fit.py` measured on the CPUs this project
 runs on:
 
-    step       forward, backward (with every micro-batch) and the optimizer
-               update compiled; where the engine's cross-replica sum is a
-               real collective it stays between two XLA clusters (gradients;
-               then one fused update per variable), since collectives of
-               tf.distribute and Horovod cannot run inside XLA on CPU
+    step       forward, backward and the optimizer update compiled; where
+               the engine's cross-replica sum is a real collective it stays
+               between two XLA clusters (gradients; then one fused update
+               per variable), since collectives of tf.distribute and Horovod
+               cannot run inside XLA on CPU. With micro-batches
+               (`--accum_steps`), each micro-batch's forward and backward is
+               one XLA cluster and TensorFlow runs their loop (then the
+               fused update): XLA:CPU runs a convolution inside a loop body
+               many times slower than at the top level (the cnn at 2
+               micro-batches, float32, AMX Xeon: 35 examples/s with the loop
+               compiled, 1004 with each micro-batch compiled; dense models
+               ran the same either way), and the loop outside keeps one
+               micro-batch's activations alive
     optimizer  only the optimizer update, fused per variable (Adam's dozen
                element-wise passes over every weight become one)
     off        plain TensorFlow graphs (oneDNN kernels throughout)
