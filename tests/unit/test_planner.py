@@ -14,6 +14,7 @@ from tfdist.data.function_inputs import FunctionInputs
 from tfdist.errors import UsageError
 from tfdist.pipeline import schedule as schedules
 from tfdist.planner import costs, functions, parse_size, profile, search
+from tfdist.strategies.dtensor.cost import MOST
 from tfdist.training import xla
 from common import IMAGE_SPEC, image_dataset_fn, run_config
 
@@ -267,6 +268,59 @@ def test_dtensor_memory_adds_what_its_probe_measured_beyond_its_terms(facts):
     assert term(probed, zero_stage=3, accum_steps=4) == pytest.approx(15.0 * computed)
     assert term(probed, zero_stage=3, accum_steps=8) == pytest.approx(27.0 * computed)
     assert term(facts) == 0.0
+
+
+def test_the_probes_tell_bytes_per_byte_from_bytes_per_operation():
+    """Two probe models' residuals are solved for the bytes held per computed
+    byte and per graph operation; one probe (or a model whose operations are
+    not counted) gives bytes per byte alone, and neither comes out negative."""
+    per_byte, per_op = 3.0, 1e5
+    bytes_probe, graph_probe = (16e6, 48), (3e4, 334)
+    residuals = [(per_byte * c + per_op * o, c, o) for c, o in (bytes_probe, graph_probe)]
+    assert costs.per_byte_and_count(residuals) == pytest.approx((per_byte, per_op))
+    # The control: the bytes probe alone puts its operations' share on its bytes.
+    alone = costs.per_byte_and_count(residuals[:1])
+    assert alone[1] == 0.0 and alone[0] == pytest.approx(per_byte + per_op * 48 / 16e6)
+    assert costs.per_byte_and_count([(-5.0, 16e6, 48), (-1.0, 3e4, 334)]) == (0.0, 0.0)
+    assert costs.per_byte_and_count([]) == (0.0, 0.0)
+
+
+def test_dtensor_memory_grows_with_the_graph_of_each_micro_batch(facts):
+    """With the graph probe, dtensor's probed term carries bytes per operation
+    of a micro-batch's graph, times the micro-batches; the control: the same
+    model with its operations not counted (or no graph probe) has none."""
+    cost = search.cost_model(strategies.engine("dtensor"))
+    per_op = {1: 1e5, MOST: 8e5}
+    probed = _probed(facts, {})
+    graph_model = dataclasses.replace(facts.model, variables=facts.model.variables[:2],
+                                      step_ops=334)
+    graph = costs.Probe(model=graph_model, batch=8, reference=500e6, peaks={})
+    bare = dataclasses.replace(probed, calibration=dataclasses.replace(
+        probed.calibration, probe=dataclasses.replace(probed.calibration.probe, graph=graph)))
+    peaks = {}
+    for variant, options in cost.probes(facts.host.devices).items():
+        predicted = -costs.probe_residual(bare, cost, "dtensor", variant, options,
+                                          dataclasses.replace(graph, peaks={
+                                              f"dtensor {variant}": 0.0}))
+        peaks[f"dtensor {variant}"] = predicted + per_op[options["accum_steps"]] * 334
+    with_graph = dataclasses.replace(bare, calibration=dataclasses.replace(
+        bare.calibration, probe=dataclasses.replace(bare.calibration.probe,
+                                                    graph=dataclasses.replace(graph, peaks=peaks))))
+    options = {"mesh": "batch:4,model:1", "zero_stage": 0, "accum_steps": 1,
+               "virtual_devices": 4, "precision": "float32", "jit_compile": "off"}
+
+    def term(f, **changes):
+        return cost.estimate(f, {**options, **changes}).memory["step transients (probed)"]
+
+    ops = facts.model.step_ops
+    assert ops and ops > 10
+    assert term(with_graph) == pytest.approx(1e5 * ops, rel=1e-6)
+    assert term(with_graph, accum_steps=8) == pytest.approx(8e5 * ops, rel=1e-6)
+    assert term(with_graph, accum_steps=2) == pytest.approx(2e5 * ops, rel=1e-6)
+    uncounted = dataclasses.replace(with_graph, model=dataclasses.replace(facts.model,
+                                                                         step_ops=None))
+    assert term(uncounted, accum_steps=8) == pytest.approx(0.0, abs=1.0)
+    assert term(probed, accum_steps=8) == pytest.approx(0.0, abs=1.0)
 
 
 def test_the_search_ends_when_no_trial_left_could_win(facts, monkeypatch):

@@ -21,7 +21,7 @@ from tfdist.observe import hardware
 from tfdist.planner import trials as trials_lib
 from tfdist.planner.costs import Calibration, OneDeviceRun, Probe
 
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 # A loop of 100 steps, twice: an engine's resident memory grows over its first
 # long loop (dtensor's, by 0.14 GiB from a 10-step loop to a 100-step one, then
 # flat; one device's not at all), and a trial's loop is about as long. Without
@@ -233,27 +233,38 @@ def baselines(families: dict, devices: int, config: RunConfig, kind: str, functi
     return found
 
 
-# -- the probe: what an engine holds per byte of the model ----------------------------
+# -- the probes: what an engine holds per byte and per operation of the model ---------
+
+# The probe models: one whose state is large beside the runtime (16 MiB of
+# parameters, few operations), and one of many operations and few bytes (24
+# layers of 16 units: 334 operations in a micro-batch's graph, 30 KiB).
+PROBE_MODELS = {"": dict(width=1024, depth=2), "graph ": dict(width=16, depth=24)}
+
 
 def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
           work_dir: Optional[str], timeout: float) -> Optional[Probe]:
-    """The probe model on one device (at one micro-batch and at each number
-    a probe runs) and under each engine's probe options: each run's peak and
-    examples/s. `wanted`: engine name -> {variant: options}. None if nothing
-    is wanted. Cached per host, versions and optimizer (the slots'
-    temporaries are the optimizer's)."""
+    """The probe models on one device (the first at one micro-batch and at
+    each number a probe runs) and under each engine's probe options: each
+    run's peak and examples/s. `wanted`: engine name -> {variant: options}.
+    None if nothing is wanted. Cached per host, versions and optimizer (the
+    slots' temporaries are the optimizer's)."""
     if not wanted:
         return None
     from tfdist.data.inputs import of_run as inputs_of_run
     from tfdist.planner import profile
-    probe_config, runs = _probe_runs(wanted, config)
-    optimizer = [f for f in as_flags(probe_config) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
+    runs, configs = {}, {}
+    for prefix, shape in PROBE_MODELS.items():
+        configs[prefix], model_runs = _probe_runs(wanted, config, shape, accumulated=not prefix)
+        runs.update({prefix + name: run for name, run in model_runs.items()})
+    optimizer = [f for f in as_flags(configs[""]) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
     key = _cache_key(devices) + "|probe|" + " ".join(sorted(optimizer))
     cache = _read_cache()
     found = dict(cache.get(key, {}))
     missing = [name for name in runs if name not in found]
     for number, name in enumerate(missing, 1):
-        log(f"probe {number}/{len(missing)}: {name} (a 16 MiB mlp; cached for this host)")
+        log(f"probe {number}/{len(missing)}: {name} (an mlp of "
+            f"{'many operations' if name.startswith('graph ') else '16 MiB'}; cached for "
+            "this host)")
         result = trials_lib.run([as_flags(runs[name])], timeout=timeout, work_dir=work_dir)
         if result.ok:
             found[name] = {"peak": result.peaks[0], "rate": result.examples_per_sec}
@@ -263,28 +274,36 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     if missing:
         cache[key] = found
         _write_cache(cache)
-    if strategies.REFERENCE not in found:
+    probes = {}
+    for prefix, probe_config in configs.items():
+        own = {name[len(prefix):]: r for name, r in found.items()
+               if name.startswith(prefix) and not any(
+                   name.startswith(p) for p in PROBE_MODELS if len(p) > len(prefix))}
+        if strategies.REFERENCE not in own:
+            continue
+        reference = {1: own.pop(strategies.REFERENCE)}
+        for accum in [n for n in own if n.startswith(f"{strategies.REFERENCE} accum")]:
+            reference[int(accum.rsplit("accum", 1)[1])] = own.pop(accum)
+        probes[prefix] = Probe(
+            model=profile.model_facts(probe_config, inputs_of_run(probe_config)),
+            batch=probe_config.train.global_batch_size, reference=reference[1]["peak"],
+            peaks={name: r["peak"] for name, r in own.items()},
+            rates={name: r["rate"] for name, r in own.items()},
+            reference_rates={accum: r["rate"] for accum, r in reference.items()})
+    if "" not in probes:
         return None
-    model = profile.model_facts(probe_config, inputs_of_run(probe_config))
-    reference = {1: found.pop(strategies.REFERENCE)}
-    for accum in [n for n in found if n.startswith(f"{strategies.REFERENCE} accum")]:
-        reference[int(accum.rsplit("accum", 1)[1])] = found.pop(accum)
-    return Probe(model=model, batch=probe_config.train.global_batch_size,
-                 reference=reference[1]["peak"],
-                 peaks={name: r["peak"] for name, r in found.items()},
-                 rates={name: r["rate"] for name, r in found.items()},
-                 reference_rates={accum: r["rate"] for accum, r in reference.items()})
+    return dataclasses.replace(probes[""], graph=probes.get("graph "))
 
 
-def _probe_runs(wanted: dict, config: RunConfig) -> tuple:
-    """(The probe's RunConfig, name -> the RunConfig of each probe run)."""
+def _probe_runs(wanted: dict, config: RunConfig, shape: dict, accumulated: bool) -> tuple:
+    """(A probe model's RunConfig, name -> the RunConfig of each probe run):
+    an mlp of `shape` on synthetic data, with the run's optimizer (an
+    update's temporaries are its own), the loops of the tiny runs; with
+    `accumulated`, one device at each number of micro-batches too."""
     from tfdist.config import DataConfig, ModelConfig, TrainConfig
     from tfdist.planner import search as search_lib
-    # A model whose state is large beside the runtime (16 MiB of parameters),
-    # on synthetic data, with the run's optimizer (an update's temporaries are
-    # its own), the loops of the tiny runs.
     probe_config = RunConfig(
-        model=ModelConfig(name="mlp", width=1024, depth=2), data=DataConfig(synthetic=True),
+        model=ModelConfig(name="mlp", **shape), data=DataConfig(synthetic=True),
         optimizer=config.optimizer,
         train=TrainConfig(global_batch_size=32, train_steps=200, steps_per_loop=100,
                           jit_compile="off"))
@@ -293,6 +312,8 @@ def _probe_runs(wanted: dict, config: RunConfig) -> tuple:
     for engine, variants in wanted.items():
         for variant, options in variants.items():
             runs[f"{engine} {variant}"] = search_lib.apply(probe_config, engine, options)
+    if not accumulated:
+        return probe_config, runs
     # One device at each number of micro-batches a probe runs: what a
     # further micro-batch costs there, which an engine's costs are a multiple of.
     for accum in sorted({o.get("accum_steps", 1) for v in wanted.values() for o in v.values()}

@@ -74,6 +74,10 @@ class ModelFacts:
     layout_rules: object = None  # `sharding.LayoutRules` for tensor sharding, or None
     signature: str = ""          # what identifies the model (for the cache key)
     buffered_example_bytes: float = 0.0   # one example in the shuffle buffer
+    # Operations in the graph of one micro-batch's forward and backward pass
+    # (traced on one device with Keras's own kernels), or None if not traced:
+    # what an engine that holds each step's graph per device pays for.
+    step_ops: Optional[int] = None
 
     @property
     def param_bytes(self) -> int:
@@ -108,6 +112,10 @@ class Probe:
     peaks: dict
     rates: dict = dataclasses.field(default_factory=dict)
     reference_rates: dict = dataclasses.field(default_factory=dict)
+    # The same runs of a second model of many operations and few bytes (a
+    # deep, narrow mlp), its peaks only: what an engine holds per operation
+    # of the step's graph, told apart from what it holds per byte.
+    graph: Optional["Probe"] = None
 
     def micro_batch_factor(self, engine: str, one: str, most: str, accum: int
                            ) -> Optional[float]:
@@ -395,12 +403,12 @@ def base_terms(facts: Facts, family: str, jit: str = "off") -> dict:
     return terms
 
 
-def probe_facts(facts: Facts) -> Facts:
+def probe_facts(facts: Facts, probe: Optional[Probe] = None) -> Facts:
     """The probe model's facts on this host (one process): its one-device
     peak at both batch sizes and its one-device rate (float32, no XLA). They
     have no probe, so an engine's cost model predicts it without the terms
-    its probes measure."""
-    probe = facts.calibration.probe
+    its probes measure. `probe`: which (default the calibration's)."""
+    probe = probe or facts.calibration.probe
     batch = probe.batch
     rate = probe.reference_rates.get(1)
     return Facts(
@@ -414,16 +422,41 @@ def probe_facts(facts: Facts) -> Facts:
 PROBE_OPTIONS = {"precision": "float32", "jit_compile": "off", "accum_steps": 1}
 
 
-def probe_residual(facts: Facts, cost, engine: str, variant: str, options: dict
-                   ) -> Optional[float]:
+def probe_residual(facts: Facts, cost, engine: str, variant: str, options: dict,
+                   probe: Optional[Probe] = None) -> Optional[float]:
     """What `cost` (an engine's cost model) leaves out on the probe model
     under `options` (its probe `variant`): the measured peak less the
-    predicted one, in bytes; None if the probe was not measured."""
-    probe = facts.calibration.probe
+    predicted one, in bytes; None if the probe was not measured. `probe`:
+    which (default the calibration's)."""
+    probe = probe or facts.calibration.probe
     measured = probe.peaks.get(f"{engine} {variant}") if probe else None
     if measured is None:
         return None
-    return measured - cost.estimate(probe_facts(facts), {**PROBE_OPTIONS, **options}).peak_bytes
+    return measured - cost.estimate(probe_facts(facts, probe),
+                                    {**PROBE_OPTIONS, **options}).peak_bytes
+
+
+def per_byte_and_count(residuals: list) -> tuple:
+    """(bytes per byte, bytes per counted thing: a graph operation, a
+    variable) that explain `residuals`, a list of (bytes left out, bytes
+    computed, count) of the probe models: the two probes' linear system,
+    solved; one probe, or two the system cannot tell apart, gives its bytes
+    per byte alone. Neither is negative."""
+    usable = [(max(0.0, r), c, o) for r, c, o in residuals if c > 0]
+    if not usable:
+        return 0.0, 0.0
+    (r1, c1, o1) = usable[0]
+    if len(usable) > 1 and o1 and usable[1][2]:
+        r2, c2, o2 = usable[1]
+        det = c1 * o2 - c2 * o1
+        if abs(det) > 1e-9 * c1 * o2:
+            per_byte, per_op = (r1 * o2 - r2 * o1) / det, (c1 * r2 - c2 * r1) / det
+            if per_byte < 0:   # all of it per count, as the probe of many says
+                return 0.0, r2 / o2
+            if per_op < 0:
+                return r1 / c1, 0.0
+            return per_byte, per_op
+    return r1 / c1, 0.0
 
 
 def probe_time_residual(facts: Facts, cost, engine: str, variant: str, options: dict

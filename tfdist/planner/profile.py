@@ -6,6 +6,7 @@ example, the pipeline splits the search may try, its layout rules."""
 from __future__ import annotations
 
 import hashlib
+from typing import Optional
 
 import keras
 import tensorflow as tf
@@ -48,7 +49,29 @@ def model_facts(config: RunConfig, inputs, model_fn=None, layout_rules=None) -> 
         flops_per_example=(flops_lib.TRAINING_PASSES * sum(by_op.values()) if by_op else None),
         splits=_splits(model, example),
         layout_rules=sharding.as_layout_rules(layout_rules) if layout_rules else None,
-        signature=signature(model))
+        signature=signature(model), step_ops=step_ops(model, example))
+
+
+def step_ops(model, example, batch: int = 2) -> Optional[int]:
+    """The operations in the graph of one micro-batch's forward and backward
+    pass of `model` on one device (the gradients of the sum of its floating
+    outputs, traced at `batch` examples of `example`'s signature), or None
+    if the model cannot be traced so."""
+    signature = tf.nest.map_structure(
+        lambda s: tf.TensorSpec([batch, *s.shape[1:]], s.dtype), example)
+
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            outputs = [tf.cast(o, tf.float32) for o in tf.nest.flatten(model(x, training=True))
+                       if o.dtype.is_floating]
+            loss = tf.add_n([tf.reduce_sum(o) for o in outputs])
+        return tape.gradient(loss, model.trainable_variables)
+
+    try:
+        graph = tf.function(gradients, autograph=False).get_concrete_function(signature).graph
+    except (TypeError, ValueError, NotImplementedError, tf.errors.OpError):
+        return None
+    return len(graph.get_operations())
 
 
 def _buffered_example_bytes(inputs, sample: int = 64) -> float:

@@ -14,7 +14,7 @@ from typing import Optional
 from tfdist import sharding
 from tfdist.errors import UsageError
 from tfdist.planner.costs import (Estimate, Facts, all_reduce_seconds, base_terms, dividers,
-                                  probe_residual, probe_time_residual)
+                                  per_byte_and_count, probe_residual, probe_time_residual)
 
 ZERO_STAGES = (0, 1, 2, 3)
 # The probe runs (ZeRO stage, micro-batches): every stage at one micro-batch
@@ -24,6 +24,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 # faster to 8), so fewer are interpolated, from above.
 MOST = 8
 PROBES = tuple((stage, accum) for stage in ZERO_STAGES for accum in (1, MOST))
+
+
+def _trained(model) -> int:
+    """The model's trained variables (what ZeRO splits)."""
+    return sum(1 for v in model.variables if v.trainable)
 
 
 def _shards(spec, axes: dict) -> int:
@@ -52,31 +57,68 @@ class TensorSharding:
                 for stage, accum in PROBES if devices > 1 or stage == 0}
 
     def transients(self, facts: Facts, options: dict) -> float:
-        """What the engine holds per computed byte beyond the state terms
-        (measured: on 2 virtual CPU devices, TF 2.21, 16-23 bytes per byte
-        at ZeRO 0-2 and 5-6 at ZeRO-3 with one micro-batch, and about 2 more
-        per further micro-batch: the SPMD step's per-device copies and
+        """What the engine holds beyond the state terms, fitted on the probe
+        models: per computed byte (the SPMD step's per-device copies and
         update temporaries, and the unrolled micro-batches' gradients side
-        by side), scaled to this model's computed bytes; 0 without a probe."""
-        probe = facts.calibration.probe
-        if probe is None:
+        by side), per operation of a micro-batch's graph (each device's
+        expanded graph, once per unrolled micro-batch) and, at a ZeRO stage,
+        per trained variable (each split variable's gathers and scatters,
+        expanded per device, once per micro-batch). Measured on 2 virtual
+        CPU devices, TF 2.21: about 0.1 MiB per operation and micro-batch
+        (the cnn's 859 operations held 0.09 GiB more per further micro-batch,
+        a 24-layer mlp of 16 units, 334 operations, 0.035), which no count of
+        bytes explains; that mlp's 48 variables held 1.2 GiB more at ZeRO-3
+        than at ZeRO-0 with 8 micro-batches. At one micro-batch and at MOST,
+        interpolated between; scaled to this model's computed bytes,
+        operations and variables; 0 without a probe."""
+        if facts.calibration.probe is None:
             return 0.0
-        devices = facts.host.devices
         stage, accum = options["zero_stage"], options["accum_steps"]
-        per_byte = {}
-        for variant, probe_options in self.probes(devices).items():
-            missed = probe_residual(facts, self, "dtensor", variant, probe_options)
-            if missed is not None:
-                computed = self._computed(dataclasses.replace(facts, model=probe.model),
-                                          probe_options)
-                per_byte[(probe_options["zero_stage"], probe_options["accum_steps"])] = (
-                    max(0.0, missed) / computed)
-        one = per_byte.get((stage, 1))
+        one, most = (self._fitted(facts, stage, n) for n in (1, MOST))
         if one is None:
             return 0.0
-        more = ((per_byte[(stage, MOST)] - one) / (MOST - 1)
-                if (stage, MOST) in per_byte else 0.0)
-        return self._computed(facts, options) * max(0.0, one + (accum - 1) * more)
+        per_byte, per_op, per_variable = (a + (accum - 1) * (b - a) / (MOST - 1)
+                                          for a, b in zip(one, most or one))
+        model = facts.model
+        return max(0.0, self._computed(facts, options) * per_byte
+                   + (model.step_ops or 0) * per_op + _trained(model) * per_variable)
+
+    def _fitted(self, facts: Facts, stage: int, accum: int) -> Optional[tuple]:
+        """(bytes per computed byte, per operation, per trained variable) the
+        probes measured at ZeRO `stage` with `accum` micro-batches beyond
+        this cost model's other terms: the operations' share from stage 0's
+        runs of the two probe models, the variables' from the stage's beyond
+        that (both only where this model's operations are counted); None if
+        not measured."""
+        zero = self._residuals(facts, 0, accum)
+        found = self._residuals(facts, stage, accum)
+        if not found or not zero:
+            return None
+        if not facts.model.step_ops:   # the probe of few operations alone, per byte
+            return per_byte_and_count([(found[0][1], found[0][2], 0)])[0], 0.0, 0.0
+        per_byte, per_op = per_byte_and_count([(r, c, o) for _, r, c, o, _ in zero])
+        if stage == 0:
+            return per_byte, per_op, 0.0
+        per_byte, per_variable = per_byte_and_count(
+            [(r - per_op * o, c, v) for _, r, c, o, v in found])
+        return per_byte, per_op, per_variable
+
+    def _residuals(self, facts: Facts, stage: int, accum: int) -> list:
+        """[(probe, bytes left out, bytes computed, operations, trained
+        variables)] of each probe model measured at ZeRO `stage` with `accum`
+        micro-batches, the probe of few operations first."""
+        variant = f"zero{stage} accum{accum}"
+        options = self.probes(facts.host.devices).get(variant)
+        probe, found = facts.calibration.probe, []
+        for model_probe in (probe, probe.graph) if options else ():
+            missed = (probe_residual(facts, self, "dtensor", variant, options, model_probe)
+                      if model_probe else None)
+            if missed is not None:
+                model = model_probe.model
+                found.append((model_probe, missed,
+                              self._computed(dataclasses.replace(facts, model=model), options),
+                              model.step_ops or 0, _trained(model)))
+        return found
 
     def micro_batch_factor(self, facts: Facts, stage: int) -> Optional[float]:
         """What a further micro-batch costs at ZeRO `stage` as a multiple of
