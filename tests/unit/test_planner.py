@@ -287,40 +287,65 @@ def test_the_probes_tell_bytes_per_byte_from_bytes_per_operation():
 
 def test_dtensor_memory_grows_with_the_graph_of_each_micro_batch(facts):
     """With the graph probe, dtensor's probed term carries bytes per operation
-    of a micro-batch's graph, times the micro-batches; the control: the same
-    model with its operations not counted (or no graph probe) has none."""
+    of a micro-batch's graph and, at a ZeRO stage, per trained variable,
+    times the micro-batches; the control: the same model with its
+    operations not counted (or no graph probe) has neither."""
     cost = search.cost_model(strategies.engine("dtensor"))
-    per_op = {1: 1e5, MOST: 8e5}
-    probed = _probed(facts, {})
+    per_op, per_variable = {1: 1e5, MOST: 8e5}, {1: 2e6, MOST: 16e6}
     graph_model = dataclasses.replace(facts.model, variables=facts.model.variables[:2],
                                       step_ops=334)
-    graph = costs.Probe(model=graph_model, batch=8, reference=500e6, peaks={})
-    bare = dataclasses.replace(probed, calibration=dataclasses.replace(
-        probed.calibration, probe=dataclasses.replace(probed.calibration.probe, graph=graph)))
-    peaks = {}
-    for variant, options in cost.probes(facts.host.devices).items():
-        predicted = -costs.probe_residual(bare, cost, "dtensor", variant, options,
-                                          dataclasses.replace(graph, peaks={
-                                              f"dtensor {variant}": 0.0}))
-        peaks[f"dtensor {variant}"] = predicted + per_op[options["accum_steps"]] * 334
+    bare = _probed(facts, {})
+    bare = dataclasses.replace(bare, calibration=dataclasses.replace(
+        bare.calibration, probe=dataclasses.replace(
+            bare.calibration.probe,   # the probe of few operations: fewer than the model
+            model=dataclasses.replace(facts.model, step_ops=20),
+            graph=costs.Probe(model=graph_model, batch=8, reference=500e6, peaks={}))))
+
+    def trained(model):
+        return sum(1 for v in model.variables if v.trainable)
+
+    def peaks(probe):
+        found = {}
+        for variant, options in cost.probes(facts.host.devices).items():
+            one = dataclasses.replace(probe, peaks={f"dtensor {variant}": 0.0})
+            accum, stage = options["accum_steps"], options["zero_stage"]
+            found[f"dtensor {variant}"] = (
+                -costs.probe_residual(bare, cost, "dtensor", variant, options, one)
+                + per_op[accum] * probe.model.step_ops
+                + (per_variable[accum] * trained(probe.model) if stage else 0.0))
+        return found
+
+    probe = bare.calibration.probe
     with_graph = dataclasses.replace(bare, calibration=dataclasses.replace(
-        bare.calibration, probe=dataclasses.replace(bare.calibration.probe,
-                                                    graph=dataclasses.replace(graph, peaks=peaks))))
+        bare.calibration, probe=dataclasses.replace(
+            probe, peaks=peaks(probe),
+            graph=dataclasses.replace(probe.graph, peaks=peaks(probe.graph)))))
     options = {"mesh": "batch:4,model:1", "zero_stage": 0, "accum_steps": 1,
                "virtual_devices": 4, "precision": "float32", "jit_compile": "off"}
 
     def term(f, **changes):
         return cost.estimate(f, {**options, **changes}).memory["step transients (probed)"]
 
-    ops = facts.model.step_ops
-    assert ops and ops > 10
+    ops, variables = facts.model.step_ops, trained(facts.model)
+    assert ops and ops > 40 and variables > 2
     assert term(with_graph) == pytest.approx(1e5 * ops, rel=1e-6)
     assert term(with_graph, accum_steps=8) == pytest.approx(8e5 * ops, rel=1e-6)
     assert term(with_graph, accum_steps=2) == pytest.approx(2e5 * ops, rel=1e-6)
+    assert term(with_graph, zero_stage=3, accum_steps=8) == pytest.approx(
+        8e5 * ops + 16e6 * variables, rel=1e-6)
+    assert term(with_graph, zero_stage=1, accum_steps=1) == pytest.approx(
+        1e5 * ops + 2e6 * variables, rel=1e-6)
     uncounted = dataclasses.replace(with_graph, model=dataclasses.replace(facts.model,
                                                                          step_ops=None))
-    assert term(uncounted, accum_steps=8) == pytest.approx(0.0, abs=1.0)
-    assert term(probed, accum_steps=8) == pytest.approx(0.0, abs=1.0)
+    alone = dataclasses.replace(with_graph, calibration=dataclasses.replace(
+        with_graph.calibration, probe=dataclasses.replace(with_graph.calibration.probe,
+                                                          graph=None)))
+    for control in (uncounted, alone):   # the few-operations probe's residual, per byte
+        computed = cost._per_device(facts, options["mesh"], 0)["computed"] * facts.host.devices
+        probe_computed = cost._per_device(dataclasses.replace(facts, model=probe.model),
+                                          options["mesh"], 0)["computed"] * facts.host.devices
+        assert term(control, accum_steps=8) == pytest.approx(
+            8e5 * probe.model.step_ops * computed / probe_computed, rel=1e-6)
 
 
 def test_the_search_ends_when_no_trial_left_could_win(facts, monkeypatch):
