@@ -348,6 +348,33 @@ def test_dtensor_memory_grows_with_the_graph_of_each_micro_batch(facts):
             8e5 * probe.model.step_ops * computed / probe_computed, rel=1e-6)
 
 
+def test_a_micro_batch_loop_holds_a_second_graph_on_each_replica(facts):
+    """Without XLA, micro-batches in TensorFlow's loop hold its body's copy of
+    a micro-batch's graph on each replica: the graph probe's bytes per
+    operation at 8 micro-batches against one, times the model's operations;
+    the controls: one micro-batch, XLA, or no graph probe hold none."""
+    graph_model = dataclasses.replace(facts.model, step_ops=334)
+    graph = costs.Probe(model=graph_model, batch=32, reference=300e6, peaks={},
+                        reference_peaks={8: 300e6 + 334 * 1e5})
+    probe = costs.Probe(model=facts.model, batch=32, reference=300e6, peaks={}, graph=graph)
+    probed = dataclasses.replace(facts, calibration=dataclasses.replace(facts.calibration,
+                                                                        probe=probe))
+    assert graph.loop_bytes_per_op() == pytest.approx(1e5)
+
+    def term(f, engine, **options):
+        cost = search.cost_model(strategies.engine(engine))
+        options = {"virtual_devices": 1 if engine == "default" else 4, "precision": "float32",
+                   "jit_compile": "off", "accum_steps": 2, **options}
+        return cost.estimate(f, options).memory.get("micro-batch loop's graph", 0.0)
+
+    ops = facts.model.step_ops
+    assert term(probed, "default") == pytest.approx(ops * 1e5)
+    assert term(probed, "mirrored") == pytest.approx(4 * ops * 1e5)
+    assert term(probed, "default", accum_steps=1) == 0.0
+    assert term(probed, "mirrored", jit_compile="on") == 0.0
+    assert term(facts, "default") == 0.0
+
+
 def test_the_search_ends_when_no_trial_left_could_win(facts, monkeypatch):
     """After each engine's first trial, a candidate is tried only while its
     refined prediction is within 5% of the best measured; the control: the

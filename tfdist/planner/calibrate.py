@@ -254,7 +254,7 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     from tfdist.planner import profile
     runs, configs = {}, {}
     for prefix, shape in PROBE_MODELS.items():
-        configs[prefix], model_runs = _probe_runs(wanted, config, shape, accumulated=not prefix)
+        configs[prefix], model_runs = _probe_runs(wanted, config, shape)
         runs.update({prefix + name: run for name, run in model_runs.items()})
     optimizer = [f for f in as_flags(configs[""]) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
     key = _cache_key(devices) + "|probe|" + " ".join(sorted(optimizer))
@@ -289,17 +289,18 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
             batch=probe_config.train.global_batch_size, reference=reference[1]["peak"],
             peaks={name: r["peak"] for name, r in own.items()},
             rates={name: r["rate"] for name, r in own.items()},
-            reference_rates={accum: r["rate"] for accum, r in reference.items()})
+            reference_rates={accum: r["rate"] for accum, r in reference.items()},
+            reference_peaks={accum: r["peak"] for accum, r in reference.items() if accum > 1})
     if "" not in probes:
         return None
     return dataclasses.replace(probes[""], graph=probes.get("graph "))
 
 
-def _probe_runs(wanted: dict, config: RunConfig, shape: dict, accumulated: bool) -> tuple:
+def _probe_runs(wanted: dict, config: RunConfig, shape: dict) -> tuple:
     """(A probe model's RunConfig, name -> the RunConfig of each probe run):
     an mlp of `shape` on synthetic data, with the run's optimizer (an
-    update's temporaries are its own), the loops of the tiny runs; with
-    `accumulated`, one device at each number of micro-batches too."""
+    update's temporaries are its own), the loops of the tiny runs; one
+    device at each number of micro-batches too."""
     from tfdist.config import DataConfig, ModelConfig, TrainConfig
     from tfdist.planner import search as search_lib
     probe_config = RunConfig(
@@ -312,8 +313,6 @@ def _probe_runs(wanted: dict, config: RunConfig, shape: dict, accumulated: bool)
     for engine, variants in wanted.items():
         for variant, options in variants.items():
             runs[f"{engine} {variant}"] = search_lib.apply(probe_config, engine, options)
-    if not accumulated:
-        return probe_config, runs
     # One device at each number of micro-batches a probe runs: what a
     # further micro-batch costs there, which an engine's costs are a multiple of.
     for accum in sorted({o.get("accum_steps", 1) for v in wanted.values() for o in v.values()}
