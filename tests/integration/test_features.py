@@ -145,6 +145,36 @@ def test_xla_compiles_each_micro_batch_and_tensorflow_runs_their_loop(accum_step
     assert not any(n.op in ("While", "StatelessWhile") for f in compiled for n in f.node_def)
 
 
+def test_the_micro_batch_loop_starts_after_the_first_micro_batch():
+    """The loop's body needs only its counter to start a micro-batch's forward
+    pass, so TensorFlow ran it beside the first micro-batch (two
+    micro-batches' activations alive; the transformer peaked as high at 2
+    micro-batches as at one): the counter waits for the first's gradients."""
+    config = run_config("default", optimizer="adam", batch=64, accum_steps=2)
+    adapter = strategies.create(config.strategy)
+    adapter.setup()
+    with adapter.scope():
+        model = models.build(config.model, IMAGE_SPEC)
+        optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
+        optimizer.build(model.trainable_variables)
+    task = task_for(config, model, FunctionInputs(image_dataset_fn, IMAGE_SPEC))[0]
+    trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
+                      task=task)
+    batch = (tf.zeros((64, 8, 8, 3)), tf.zeros((64,), tf.int32), tf.ones((64,)))
+    graph = tf.function(trainer._local_gradients, autograph=False).get_concrete_function(
+        *batch).graph
+    loop = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert len(loop) == 1
+    # The loop's inputs: while_v2's own counter and bound, then ours; ours (the
+    # start, 1: an identity of a constant) waits for the first micro-batch's sums.
+    waits_for = {c for tensor in loop[0].inputs
+                 for op in (tensor.op, *(t.op for t in tensor.op.inputs))
+                 for c in op.control_inputs}
+    assert waits_for, [t.op.type for t in loop[0].inputs]
+    first_gradients = {t.op for t in loop[0].inputs[3:]}
+    assert waits_for & first_gradients
+
+
 def test_bucketed_reductions_match_one_reduction():
     """--reduce_bucket_mb: each bucket is its own reduction (a sum of the same
     two values whichever way the tensors are grouped, so weights match to

@@ -250,8 +250,6 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     slots' temporaries are the optimizer's)."""
     if not wanted:
         return None
-    from tfdist.data.inputs import of_run as inputs_of_run
-    from tfdist.planner import profile
     runs, configs = {}, {}
     for prefix, shape in PROBE_MODELS.items():
         configs[prefix], model_runs = _probe_runs(wanted, config, shape)
@@ -274,26 +272,33 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     if missing:
         cache[key] = found
         _write_cache(cache)
-    probes = {}
-    for prefix, probe_config in configs.items():
-        own = {name[len(prefix):]: r for name, r in found.items()
-               if name.startswith(prefix) and not any(
-                   name.startswith(p) for p in PROBE_MODELS if len(p) > len(prefix))}
-        if strategies.REFERENCE not in own:
-            continue
-        reference = {1: own.pop(strategies.REFERENCE)}
-        for accum in [n for n in own if n.startswith(f"{strategies.REFERENCE} accum")]:
-            reference[int(accum.rsplit("accum", 1)[1])] = own.pop(accum)
-        probes[prefix] = Probe(
-            model=profile.model_facts(probe_config, inputs_of_run(probe_config)),
-            batch=probe_config.train.global_batch_size, reference=reference[1]["peak"],
-            peaks={name: r["peak"] for name, r in own.items()},
-            rates={name: r["rate"] for name, r in own.items()},
-            reference_rates={accum: r["rate"] for accum, r in reference.items()},
-            reference_peaks={accum: r["peak"] for accum, r in reference.items() if accum > 1})
-    if "" not in probes:
+    probes = {prefix: _measured_probe(prefix, probe_config, found)
+              for prefix, probe_config in configs.items()}
+    if probes[""] is None:
         return None
-    return dataclasses.replace(probes[""], graph=probes.get("graph "))
+    return dataclasses.replace(probes[""], graph=probes["graph "])
+
+
+def _measured_probe(prefix: str, probe_config: RunConfig, found: dict) -> Optional[Probe]:
+    """The probe model of `PROBE_MODELS[prefix]` from its measured runs in
+    `found` (name -> peak and rate), or None without its one-device run."""
+    from tfdist.data.inputs import of_run as inputs_of_run
+    from tfdist.planner import profile
+    own = {name[len(prefix):]: r for name, r in found.items()
+           if name.startswith(prefix) and not any(
+               name.startswith(p) for p in PROBE_MODELS if len(p) > len(prefix))}
+    if strategies.REFERENCE not in own:
+        return None
+    reference = {1: own.pop(strategies.REFERENCE)}
+    for accum in [n for n in own if n.startswith(f"{strategies.REFERENCE} accum")]:
+        reference[int(accum.rsplit("accum", 1)[1])] = own.pop(accum)
+    return Probe(
+        model=profile.model_facts(probe_config, inputs_of_run(probe_config)),
+        batch=probe_config.train.global_batch_size, reference=reference[1]["peak"],
+        peaks={name: r["peak"] for name, r in own.items()},
+        rates={name: r["rate"] for name, r in own.items()},
+        reference_rates={accum: r["rate"] for accum, r in reference.items()},
+        reference_peaks={accum: r["peak"] for accum, r in reference.items() if accum > 1})
 
 
 def _probe_runs(wanted: dict, config: RunConfig, shape: dict) -> tuple:

@@ -23,7 +23,7 @@ from tfdist.errors import UsageError, first_line
 from tfdist.strategies.base import Strategy, TrainingState
 from tfdist.strategies.capabilities import (LocalGradients, PipelineStages, ReplicaLocalState,
                                             ScheduledSteps, TensorSharding, capability)
-from tfdist.training import compression, nonfinite, xla
+from tfdist.training import compression, micro_batches, nonfinite, xla
 from tfdist.training.local_sgd import LocalSGDSteps
 from tfdist.training.micro_batches import MicroBatchLoss
 from tfdist.training.precision import Precision
@@ -35,11 +35,6 @@ def _dense(grads) -> list:
     # Embeddings give IndexedSlices, which neither sum across micro-batches nor
     # cast for compression; the engines densify them for the all-reduce anyway.
     return [tf.convert_to_tensor(g) for g in grads]
-
-
-def _take(parts, i):
-    """Micro-batch `i` of (x, y, weight) split into [k, ...] along the batch."""
-    return tf.nest.map_structure(lambda t: t[i], parts)
 
 
 @contextlib.contextmanager
@@ -269,34 +264,9 @@ class Trainer(LocalSGDSteps):
         k = self.train_config.accum_steps
         if k == 1:
             return self._micro_batch_gradients(x, y, weight)
-        # Sum k micro-batches locally; reduce once afterwards. An in-graph loop
-        # (not k unrolled copies) keeps one micro-batch's activations alive.
-        parts = tf.nest.map_structure(lambda t: tf.reshape(t, [k, -1, *t.shape[1:]]),
-                                      (x, y, weight))
-        first = self._micro_fn(*_take(parts, 0))
-        data, separate, counters = first.data, first.regularization, first.counters
-
-        def add(i, data, separate, counters):
-            more = self._micro_fn(*_take(parts, i))
-            return ([g + m for g, m in zip(data, more.data)],
-                    [g + m for g, m in zip(separate, more.regularization)],
-                    counters + more.counters)
-
-        if self.sharded:
-            # Unrolled on a mesh: DTensor re-exports a while loop nested in
-            # another (the train loop's) under its op name, and a later
-            # training in the same process then failed to add it ("Cannot add
-            # function 'while/while_body' because a different function with
-            # the same name already exists"; TF 2.21, also with a unique name
-            # scope per trace). k copies of the micro-batch step: TensorFlow
-            # may run them side by side (more activations alive than the loop).
-            for i in range(1, k):
-                data, separate, counters = add(i, data, separate, counters)
-        else:
-            _, data, separate, counters = tf.while_loop(
-                lambda i, *_: i < k, lambda i, *state: (i + 1, *add(i, *state)),
-                (tf.constant(1), data, separate, counters), parallel_iterations=1)
-        return LocalGradients(data, separate, counters, first.provisional_divisor)
+        # Summed locally; reduced once afterwards.
+        return micro_batches.summed(self._micro_fn, (x, y, weight), k,
+                                    unrolled=bool(self.sharded))
 
     def _reduce(self, tensors):
         """Sum `tensors` (gradients in variable order, then the counters) over
