@@ -67,7 +67,7 @@ class TensorSharding:
         CPU devices, TF 2.21: about 0.1 MiB per operation and micro-batch
         (the cnn's 859 operations held 0.09 GiB more per further micro-batch,
         a 24-layer mlp of 16 units, 334 operations, 0.035), which no count of
-        bytes explains; that mlp's 48 variables held 1.2 GiB more at ZeRO-3
+        bytes explains; that mlp's 50 variables held 1.2 GiB more at ZeRO-3
         than at ZeRO-0 with 8 micro-batches. At one micro-batch and at MOST,
         interpolated between; scaled to this model's computed bytes,
         operations and variables; 0 without a probe."""
