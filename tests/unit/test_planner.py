@@ -205,7 +205,9 @@ def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(fact
                                     None, 60.0, lambda examples: 0.0)
     assert {(r.options["jit_compile"], r.options["accum_steps"], r.peak)
             for r in calibration.runs} == {("off", 1, 2**29), ("off", 8, None),
-                                           ("on", 1, 2**29), ("on", 8, None)}
+                                           ("on", 8, 2**29), ("on", 1, None)}
+    # XLA's micro-batches ran first in their process: their peak is their own.
+    assert calibration.xla_micro == (4, 2**29)
     assert all("--virtual_devices=1" in f and "--strategy=default" in f for f in flags_seen)
 
     def firsts(runs):
@@ -373,6 +375,35 @@ def test_a_micro_batch_loop_holds_a_second_graph_on_each_replica(facts):
     assert term(probed, "default", accum_steps=1) == 0.0
     assert term(probed, "mirrored", jit_compile="on") == 0.0
     assert term(facts, "default") == 0.0
+
+
+def test_compiled_micro_batches_hold_what_their_own_run_measured(facts):
+    """With micro-batches, each compiled, XLA's bytes are what the run in
+    micro-batches measured beyond the plain run's predicted peak at that
+    micro-batch, not the whole step's; the controls: one micro-batch, or no
+    such run, take the whole step's."""
+    cost = search.cost_model(strategies.engine("default"))
+    calibration = dataclasses.replace(facts.calibration, xla_bytes=400e6)
+    micro = 4
+    plain = (calibration.intercept() + calibration.slope() * micro
+             + facts.model.trainable_bytes)
+    measured = dataclasses.replace(facts, calibration=dataclasses.replace(
+        calibration, xla_micro=(micro, plain + 90e6)))
+    unmeasured = dataclasses.replace(facts, calibration=calibration)
+
+    def xla(f, accum):
+        options = {"virtual_devices": 1, "precision": "float32", "jit_compile": "on",
+                   "accum_steps": accum}
+        return cost.estimate(f, options).memory["XLA compilation"]
+
+    assert xla(measured, 2) == pytest.approx(90e6)
+    assert xla(measured, 8) == pytest.approx(90e6)
+    assert xla(measured, 1) == pytest.approx(400e6)
+    assert xla(unmeasured, 2) == pytest.approx(400e6)
+    mirrored = search.cost_model(strategies.engine("mirrored"))   # each replica its buffers
+    assert mirrored.estimate(measured, {"virtual_devices": 4, "precision": "float32",
+                                        "jit_compile": "on", "accum_steps": 2}
+                             ).memory["XLA compilation"] == pytest.approx(4 * 90e6)
 
 
 def test_the_search_ends_when_no_trial_left_could_win(facts, monkeypatch):

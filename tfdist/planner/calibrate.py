@@ -49,8 +49,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
             log: Callable, work_dir: Optional[str], timeout: float,
             buffer_bytes: Callable[[float], float]) -> Calibration:
     """One-device processes: float32 at a quarter of the global batch and at
-    the whole (again in micro-batches), the whole with XLA (a process of its
-    own: its peak is its own; again in micro-batches), and, if `lossy`,
+    the whole (again in micro-batches), with XLA in micro-batches then whole
+    (each peak its own, the larger after the smaller), and, if `lossy`,
     mixed_bfloat16 at the whole (without, then with XLA). At the whole
     batch these runs are the one-device candidates' own: each is kept in
     `Calibration.runs` (its peak where it was its process's first run), and
@@ -70,7 +70,7 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
     def peak(record, size):
         return record["peak_bytes"] - buffer_bytes(2 * steps_per_loop * size)
 
-    (first, start), (second, *split), (compiled, *compiled_split) = [
+    (first, start), (second, *split), (*compiled_split, compiled) = [
         r.runs for r in results[:3]]
     further = functools.partial(_further, large, _parts(large))
 
@@ -85,6 +85,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         points=((small, peak(first, small)), (large, peak(second, large))),
         rates=rates, baselines={}, peaks16=peaks16,
         xla_bytes=max(0, compiled["peak_bytes"] - second["peak_bytes"]),
+        xla_micro=((large // _parts(large), peak(compiled_split[0], large))
+                   if compiled_split else None),
         times=((small, small / first["examples_per_sec"]),
                (large, large / second["examples_per_sec"])),
         micro_batch_seconds=further(second, split),
@@ -133,9 +135,11 @@ def _processes(small: int, large: int, lossy: bool) -> list:
     # loops of one step, whose loss is the loss at the start, the scale of
     # what training reduces it by (`Calibration.start_loss`).
     start = {**run("float32", "off", small), "loop": 1}
+    # With XLA, the micro-batches first (their compiled micro-batch's peak is
+    # its own; the whole batch's, larger, follows).
     processes = [[run("float32", "off", small), start],
                  [run("float32", "off", large), *split["off"]],
-                 [run("float32", "on", large), *split["on"]]]
+                 [*split["on"], run("float32", "on", large)]]
     if lossy:
         processes.append([run("mixed_bfloat16", "off", large),
                           run("mixed_bfloat16", "on", large)])

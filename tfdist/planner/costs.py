@@ -120,11 +120,9 @@ class Probe:
 
     def loop_bytes_per_op(self) -> float:
         """What one device holds per operation of a micro-batch's graph once
-        the micro-batches run in a loop (its body: a second copy of the
-        graph, beside the first micro-batch's): this probe at the most
-        micro-batches it ran against one, per operation of its model; 0
-        where not measured (measured on a 24-layer mlp of 16 units: 0.09 MiB
-        per operation, as DTensor's per unrolled micro-batch)."""
+        micro-batches run in a loop (its body, a second copy of the graph):
+        this probe at its most micro-batches against one, per operation of
+        its model (a 24-layer mlp of 16 units: 0.09 MiB); 0 unmeasured."""
         if not self.reference_peaks or not self.model.step_ops:
             return 0.0
         most = self.reference_peaks[max(self.reference_peaks)]
@@ -181,6 +179,11 @@ class Calibration:
     peaks16: Optional[tuple] = None
     times: tuple = ()
     xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
+    # (micro-batch, peak) of the whole batch in micro-batches, each compiled,
+    # or None if not measured: what compiling adds there is XLA's buffers for
+    # a micro-batch's program, not the whole step's (the cnn: 423 MiB for the
+    # whole step at batch 256, 87-97 in 2-8 micro-batches).
+    xla_micro: Optional[tuple] = None
     # What one further micro-batch added to a step (one device, without and
     # with XLA), or None if not measured.
     micro_batch_seconds: Optional[float] = None
@@ -407,12 +410,20 @@ def state(facts: Facts, params: float = 1.0, grads: float = 1.0, slots: float = 
     return terms
 
 
-def base_terms(facts: Facts, family: str, jit: str = "off") -> dict:
+def base_terms(facts: Facts, family: str, jit: str = "off", accum: int = 1,
+               replicas: int = 1) -> dict:
     """The process's resident baseline, and XLA's compilation where the step
-    is compiled."""
+    (with `accum` > 1, each micro-batch: its buffers on each of the process's
+    `replicas`, which run their programs at once) is compiled."""
     terms = {"runtime": facts.base(family), "shuffle buffer": facts.buffer_bytes()}
-    if jit == "on" and facts.calibration.xla_bytes:
-        terms["XLA compilation"] = facts.calibration.xla_bytes
+    calibration = facts.calibration
+    compiled = calibration.xla_bytes
+    if accum > 1 and calibration.xla_micro:   # its peak less the plain run's, predicted
+        micro, peak = calibration.xla_micro
+        compiled = replicas * max(0.0, peak - calibration.intercept()
+                                  - calibration.slope() * micro - facts.model.trainable_bytes)
+    if jit == "on" and compiled:
+        terms["XLA compilation"] = compiled
     return terms
 
 

@@ -78,7 +78,8 @@ class OneDevice:
 
     def estimate(self, facts: Facts, options: dict) -> Estimate:
         batch, precision = facts.global_batch, options["precision"]
-        memory = {**base_terms(facts, self.family, options["jit_compile"]),
+        memory = {**base_terms(facts, self.family, options["jit_compile"],
+                                 options["accum_steps"]),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(batch / options["accum_steps"],
                                                         precision),
@@ -110,7 +111,8 @@ class LocalReplicas:
         devices = options["virtual_devices"]
         batch, precision = facts.global_batch, options["precision"]
         copies = float(devices)
-        memory = {**base_terms(facts, self.family, options["jit_compile"]),
+        memory = {**base_terms(facts, self.family, options["jit_compile"],
+                                 options["accum_steps"], devices),
                   **state(facts, copies, copies, copies, copies * _accumulator(options)),
                   "activations": facts.activation_bytes(batch / options["accum_steps"],
                                                         precision),
@@ -159,7 +161,8 @@ class ReplicaPerProcess:
         workers, precision = host.processes, options["precision"]
         per_worker = facts.global_batch / workers
         kind = options.get("grad_compression", "none")
-        memory = {**base_terms(facts, self.family, options["jit_compile"]),
+        memory = {**base_terms(facts, self.family, options["jit_compile"],
+                                 options["accum_steps"]),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(per_worker / options["accum_steps"],
                                                         precision),
