@@ -92,8 +92,8 @@ def test_one_cross_replica_reduction_per_update_with_accumulation(strategy):
     assert traced == adapter.num_replicas
 
 
-def _reductions_in_one_step(config):
-    """(adapter, cross-replica reductions traced by one replica step of `config`)."""
+def _trainer(config, **options):
+    """(adapter, a `Trainer` of `config`'s model and optimizer on image data)."""
     adapter = strategies.create(config.strategy)
     adapter.setup()
     with adapter.scope():
@@ -101,8 +101,13 @@ def _reductions_in_one_step(config):
         optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
         optimizer.build(model.trainable_variables)
     task = task_for(config, model, FunctionInputs(image_dataset_fn, IMAGE_SPEC))[0]
-    trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
-                      task=task)
+    return adapter, Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
+                            task=task, **options)
+
+
+def _reductions_in_one_step(config):
+    """(adapter, cross-replica reductions traced by one replica step of `config`)."""
+    adapter, trainer = _trainer(config)
     per_replica = config.train.global_batch_size // adapter.num_replicas
     batch = (tf.zeros((per_replica, 8, 8, 3)), tf.zeros((per_replica,), tf.int32),
              tf.ones((per_replica,)))
@@ -123,15 +128,7 @@ def test_xla_compiles_each_micro_batch_and_tensorflow_runs_their_loop(accum_step
     from tfdist.training import xla
     config = run_config("default", optimizer="adam", batch=64, accum_steps=accum_steps,
                         jit_compile="on")
-    adapter = strategies.create(config.strategy)
-    adapter.setup()
-    with adapter.scope():
-        model = models.build(config.model, IMAGE_SPEC)
-        optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
-        optimizer.build(model.trainable_variables)
-    task = task_for(config, model, FunctionInputs(image_dataset_fn, IMAGE_SPEC))[0]
-    trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
-                      task=task, jit_level=xla.STEP)
+    _, trainer = _trainer(config, jit_level=xla.STEP)
     batch = (tf.zeros((64, 8, 8, 3)), tf.zeros((64,), tf.int32), tf.ones((64,)))
     step = tf.function(trainer._local_gradients, autograph=False).get_concrete_function(*batch)
     compiled = [f for f in step.graph.as_graph_def().library.function
@@ -151,15 +148,7 @@ def test_the_micro_batch_loop_starts_after_the_first_micro_batch():
     micro-batches' activations alive; the transformer peaked as high at 2
     micro-batches as at one): the counter waits for the first's gradients."""
     config = run_config("default", optimizer="adam", batch=64, accum_steps=2)
-    adapter = strategies.create(config.strategy)
-    adapter.setup()
-    with adapter.scope():
-        model = models.build(config.model, IMAGE_SPEC)
-        optimizer = optimizers.create(config.optimizer, global_batch_size=64, total_steps=5)
-        optimizer.build(model.trainable_variables)
-    task = task_for(config, model, FunctionInputs(image_dataset_fn, IMAGE_SPEC))[0]
-    trainer = Trainer(config=config, strategy=adapter, model=model, optimizer=optimizer,
-                      task=task)
+    _, trainer = _trainer(config)
     batch = (tf.zeros((64, 8, 8, 3)), tf.zeros((64,), tf.int32), tf.ones((64,)))
     graph = tf.function(trainer._local_gradients, autograph=False).get_concrete_function(
         *batch).graph
