@@ -230,10 +230,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)   # stable: the order within a file is kept
 
 
-@pytest.hookimpl(tryfirst=True)   # before the module's fixtures start horovodruns
-def pytest_runtest_setup(item):
+# Before the module's fixtures start horovodruns, and outside the test's
+# timeout (pytest-timeout's timer starts in its own protocol wrapper, inside
+# this one): a fresh build can take longer than the first test's timeout.
+@pytest.hookimpl(hookwrapper=True, tryfirst=True, specname="pytest_runtest_protocol")
+def pytest_runtest_protocol_horovod_built_first(item, nextitem):
     if os.path.basename(str(item.fspath)) == "test_horovod.py":
         wait_for_horovod_build()
+    yield
 
 
 # -- a test that waits far longer than any should: every thread's stack --------

@@ -4,6 +4,7 @@ against the engines' own checks, and the planner's bad input. Trials and
 predictions against measured peaks: tests/integration/test_plan.py."""
 
 import dataclasses
+import os
 import math
 
 import pytest
@@ -801,8 +802,13 @@ def test_horovod_is_a_candidate_for_worker_processes_where_it_is_built(facts, mo
     only where Horovod is installed; `--strategy=auto` started as a TF_CONFIG
     cluster cannot switch to horovodrun, so its launches leave Horovod out.
     The controls: installed and any launch, they are there."""
+    import importlib.machinery
     import importlib.util
     from tfdist.strategies import records
+    real = importlib.util.find_spec
+    built = importlib.machinery.ModuleSpec("horovod", None)   # as if built (make horovod)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: built if name == "horovod" else real(name, *a))
     cluster = _cluster(facts, 2, 1e9)
     found = {c.engine for c in _candidates(cluster, lossy=False) if not c.dropped}
     assert {"multi_worker", "horovod"} <= found
@@ -810,18 +816,23 @@ def test_horovod_is_a_candidate_for_worker_processes_where_it_is_built(facts, mo
         cluster.host, launches=(records.WORKERS, records.ONE_OR_WORKERS)))
     found = {c.engine for c in _candidates(workers, lossy=False) if not c.dropped}
     assert "multi_worker" in found and "horovod" not in found
-    real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "horovod" else real(name, *a))
     assert "horovod" not in {c.engine for c in _candidates(cluster, lossy=False)}
 
 
-def test_a_trial_starts_its_processes_as_its_engine_does(tmp_path):
+def test_a_trial_starts_its_processes_as_its_engine_does(tmp_path, monkeypatch):
     """One process alone; a TF_CONFIG cluster under tfdist-launch (also for a
     memory cap); Horovod's ranks under horovodrun, which cannot cap each
-    rank: a one-line refusal instead of an uncapped trial."""
+    rank: a one-line refusal instead of an uncapped trial. A `horovodrun` on
+    the PATH stands in where Horovod is not built yet (`make test` builds it
+    beside the unit tests)."""
     from tfdist.planner import trials
     spec, out = str(tmp_path / "spec.json"), str(tmp_path)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "horovodrun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "horovodrun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{os.environ['PATH']}:{tmp_path / 'bin'}")
 
     def start(strategy, processes, cap=None):
         return trials.command([[f"--strategy={strategy}"]], processes, cap, spec, out)
