@@ -8,6 +8,10 @@ from tfdist import compat as _compat
 
 _compat.defer_keras_matplotlib()   # before anything imports Keras: 0.4 CPU-s a process
 
+from tfdist.training import xla_cache as _xla_cache
+
+_xla_cache.configure()   # before TensorFlow's runtime starts: XLA executables shared on this host
+
 from tfdist.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig,
                            StrategyConfig, TrainConfig)
 from tfdist.errors import ConfigError, UsageError

@@ -27,7 +27,7 @@ from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError, WorkerFault
 from tfdist.observe import flops, hardware, logs, peak
 from tfdist.observe import summary as summary_lib
-from tfdist.training import batchnorm, compression, optimizers, xla
+from tfdist.training import batchnorm, compression, optimizers, xla, xla_cache
 from tfdist.training.precision import Precision
 from tfdist.training.task import Task, task_for
 from tfdist.strategies.capabilities import (PipelineStages, ScheduledSteps, ServingProcesses,
@@ -448,8 +448,8 @@ def _train(config, strategy, model_fn, dataset_fn, spec, layout_rules, loss,
         metrics = controller.fit()
     except tf.errors.ResourceExhaustedError as error:
         raise WorkerFault(out_of_memory(config, strategy, controller.loop_start, error)) from None
-    except tf.errors.OpError as error:
-        raise WorkerFault(strategy.describe_fault(error)) from error
+    except tf.errors.OpError as error:   # (the XLA cache's disk filling up: named as such)
+        raise WorkerFault(xla_cache.caused(error) or strategy.describe_fault(error)) from error
     summary = summary_lib.run_summary(config, controller, inputs, metrics, peak_lr=peak_lr)
     return _finish(config, strategy, model, optimizer, summary, task,
                    lambda: _serving_model(config, model_fn, inputs))

@@ -47,6 +47,11 @@ def cpu_model() -> str:
     return _cpuinfo()[0] or "unknown CPU"
 
 
+def cpu_flags() -> frozenset:
+    """Every ISA flag /proc/cpuinfo lists for this CPU."""
+    return _cpuinfo()[1]
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_vendor() -> str:
     """'AMD', 'Intel' or '' (another or unknown), from /proc/cpuinfo's vendor_id."""

@@ -24,7 +24,7 @@ from tfdist.observe import logs, tensorboard
 from tfdist.observe.progress import Progress
 from tfdist.observe.tensorboard import Profiler, TensorBoard
 from tfdist.strategies.capabilities import ElasticMembership, ScheduledSteps, capability
-from tfdist.training import nonfinite, optimizers
+from tfdist.training import nonfinite, optimizers, xla_cache
 from tfdist.training.interrupts import Preempted, StopSignals
 from tfdist.training.precision import Precision
 from tfdist.observe.totals import LoopTotals
@@ -92,6 +92,7 @@ class Controller:
         stage from its first worker's initial values.
         An elastic engine runs the loop again from its last commit after
         workers left or joined."""
+        xla_cache.start()   # before this process's first XLA compilation
         restored = None
         if self.checkpointer:
             if self.checkpointer.candidates():
@@ -109,6 +110,7 @@ class Controller:
         finally:
             self.profiler.stop()
             self.tensorboard.close()
+            xla_cache.publish()   # what this run compiled, for this host's other processes
 
     def _train_to_end(self, signals: StopSignals) -> dict:
         """The outer loop, from the step the state holds to `total_steps`."""
