@@ -102,6 +102,7 @@ bench: $(STAMP) iproute2
 	-$(MAKE) --no-print-directory horovod
 	$(BIN)/python bench/horovod_vs_multi_worker.py
 	$(BIN)/python bench/allreduce.py
+	$(BIN)/python bench/xla_cache.py
 	$(BIN)/python bench/dtensor.py
 	$(BIN)/python bench/depthwise.py
 	$(BIN)/python bench/dtensor_init.py

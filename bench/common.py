@@ -64,7 +64,7 @@ SECTIONS = ("vs_fit", "profile_vs_fit", "features", "scaling", "horovod_vs_multi
             "compression_accuracy_cnn", "compression_accuracy_transformer",
             "compression_accuracy_transformer_adam0.001",
             "planner", "planner_memory", "planner_cnn_transformer",
-            "planner_memory_cnn_transformer", "planner_link")
+            "planner_memory_cnn_transformer", "planner_link", "xla_cache")
 
 
 def versions_line() -> str:

@@ -133,3 +133,17 @@ def test_the_directories_of_ended_processes_are_removed(fresh):
     xla_cache.start()
     assert not os.path.exists(dead)
     assert os.path.exists(alive) and os.path.exists(other_host)
+
+
+def test_entries_are_copied_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    (tmp_path / "a.pb").write_bytes(b"entry")
+
+    def no_links(source, destination):
+        raise PermissionError("hard links not supported")
+
+    monkeypatch.setattr(xla_cache.os, "link", no_links)
+    assert xla_cache._place(str(tmp_path / "a.pb"), str(tmp_path / "b.pb"))
+    assert (tmp_path / "b.pb").read_bytes() == b"entry"
+    assert not os.path.samefile(tmp_path / "a.pb", tmp_path / "b.pb")
+    assert not xla_cache._place(str(tmp_path / "gone.pb"), str(tmp_path / "c.pb"))
+    assert not (tmp_path / "c.pb").exists()

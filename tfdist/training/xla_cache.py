@@ -46,7 +46,6 @@ import importlib.util
 import os
 import shutil
 import socket
-import tempfile
 from typing import Optional
 
 from absl import logging
@@ -88,7 +87,7 @@ def shared_dir() -> str:
 
 
 class Cache:
-    """One process's private directory and the shared one it copies from and
+    """One process's private directory and the shared one it links from and
     publishes to."""
 
     def __init__(self, shared: str, private: str):
@@ -98,12 +97,8 @@ class Cache:
 
     def fill(self) -> None:
         for name in _entries(self.shared):
-            source, link = os.path.join(self.shared, name), os.path.join(self.private, name)
-            try:
-                os.link(source, link)
-            except OSError:   # removed meanwhile by another process's pruning
-                continue
-            self._copied.add(name)
+            if _place(os.path.join(self.shared, name), os.path.join(self.private, name)):
+                self._copied.add(name)
 
     def publish(self) -> int:
         """Add the entries this process compiled since it last published to
@@ -114,20 +109,46 @@ class Cache:
             target = os.path.join(self.shared, name)
             if os.path.exists(target):
                 continue
-            try:
-                fd, temporary = tempfile.mkstemp(dir=self.shared, prefix=".tmp-")
-                os.close(fd)
-                shutil.copyfile(os.path.join(self.private, name), temporary)
-                os.replace(temporary, target)
-                added += 1
-            except OSError as error:
-                logging.warning("XLA cache: could not add %s to %s: %s", name, self.shared, error)
+            temporary = os.path.join(self.shared, f".tmp-{os.getpid()}-{name}")
+            if _place(os.path.join(self.private, name), temporary):
+                try:
+                    os.replace(temporary, target)
+                    added += 1
+                except OSError as error:
+                    logging.warning("XLA cache: could not add %s: %s", target, error)
+                    _remove(temporary)
         prune(self.shared)
         return added
 
     def close(self) -> None:
         self.publish()
         shutil.rmtree(self.private, ignore_errors=True)
+
+
+def _place(source: str, destination: str) -> bool:
+    """`destination` as a hard link to `source` (a copy where the file system
+    has none); False where `source` is gone (pruned meanwhile) or the disk is
+    full."""
+    try:
+        os.link(source, destination)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        shutil.copyfile(source, destination)
+        return True
+    except OSError:
+        _remove(destination)
+        return False
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _entries(directory: str) -> list:
