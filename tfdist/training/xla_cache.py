@@ -28,7 +28,8 @@ TensorFlow fails a step whose executable it cannot write, so sharing is on
 only where the private directory could be made, on a disk with
 `MIN_FREE_BYTES` free; a step that fails writing one later (the disk filled
 during the run) ends the run with a line that says so. The shared directory
-is kept under `MAX_BYTES`, the entries added longest ago removed first. `TFDIST_XLA_CACHE=0` turns the sharing off; a
+is kept under `MAX_BYTES`, the entries added longest ago removed first.
+`TFDIST_XLA_CACHE=0` turns the sharing off; a
 `--tf_xla_persistent_cache_directory` of the user's own in `TF_XLA_FLAGS` is
 left as it is.
 
