@@ -55,7 +55,7 @@ def test_a_users_subclassed_model_is_planned_by_measurement(tmp_path):
     chosen = [r for r in tried if r["status"] == "chosen"]
     assert chosen == [max(tried, key=lambda r: r["measured_examples_per_sec"])]
     for row in tried:
-        if row["measured_gib"] is not None or row["status"] != "measured in calibration":
+        if row["measured_gib"] is not None or row["measured_by"] != "calibration":
             assert _within_rule(row["predicted_gib"], row["measured_gib"],
                                 plan["runtime"][row["candidate"]]), row
     # A subclassed model has no graph to split: no pipeline candidate, and why.

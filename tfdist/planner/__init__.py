@@ -73,6 +73,9 @@ class Plan:
                 "expected_examples_per_sec": c.expected_rate(batch),
                 "mfu": self._mfu(c, rate),
                 "loss_change": c.loss_change(self.facts.calibration),
+                # The chosen one's measurement may be calibration's (its peak
+                # only where that run was its process's first).
+                "measured_by": "calibration" if c.calibrated else "trial" if c.trial else None,
                 "status": ("chosen" if c is self.winner
                            else "measured in calibration" if c.calibrated
                            else "tried" if c.trial and c.trial.ok
