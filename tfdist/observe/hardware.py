@@ -26,6 +26,14 @@ _FEATURES = (
 )
 
 
+def cache_dir() -> str:
+    """Where tfdist keeps what it learned on this host (the measured peak, the
+    planner's runtimes and plans, shared XLA executables): `$TFDIST_CACHE_DIR`,
+    else `~/.cache/tfdist`."""
+    return os.environ.get("TFDIST_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tfdist")
+
+
 @functools.lru_cache(maxsize=None)
 def _cpuinfo() -> tuple[str, frozenset]:
     """(model name, ISA flags) of the first CPU in /proc/cpuinfo."""

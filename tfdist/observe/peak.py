@@ -95,9 +95,7 @@ def precision_peak_tflops(precision: str, *, measure: bool = True):
 
 
 def cache_path() -> str:
-    cache_dir = os.environ.get("TFDIST_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tfdist")
-    return os.path.join(cache_dir, "peak.json")
+    return os.path.join(hardware.cache_dir(), "peak.json")
 
 
 def _peak(dtype: str, *, refresh: bool) -> tuple[float, str]:

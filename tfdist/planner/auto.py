@@ -61,8 +61,7 @@ class Choice:
 
 
 def cache_path(key: str) -> str:
-    from tfdist.planner.calibrate import cache_dir
-    return os.path.join(cache_dir(), "plans", f"{key}.json")
+    return os.path.join(hardware.cache_dir(), "plans", f"{key}.json")
 
 
 def what_of(config: RunConfig, signature: str, processes: int, hosts: int,

@@ -335,10 +335,6 @@ def _probe_runs(wanted: dict, config: RunConfig, shape: dict) -> tuple:
 OPTIMIZER_FLAGS = ("--optimizer", "--clip_grad_norm")
 
 
-def cache_dir() -> str:
-    return os.environ.get("TFDIST_CACHE_DIR", os.path.expanduser("~/.cache/tfdist"))
-
-
 def _cache_key(devices: int) -> str:
     return (f"v{CACHE_VERSION}|{hardware.describe()}|tf {tf.__version__}|tfdist "
             f"{tfdist_version()}|devices {devices}")
@@ -354,15 +350,15 @@ def tfdist_version() -> str:
 
 def _read_cache() -> dict:
     try:
-        with open(os.path.join(cache_dir(), "runtimes.json")) as f:
+        with open(os.path.join(hardware.cache_dir(), "runtimes.json")) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
 
 
 def _write_cache(cache: dict) -> None:
-    os.makedirs(cache_dir(), exist_ok=True)
-    path = os.path.join(cache_dir(), "runtimes.json")
+    os.makedirs(hardware.cache_dir(), exist_ok=True)
+    path = os.path.join(hardware.cache_dir(), "runtimes.json")
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as f:
         json.dump(cache, f, indent=1, sort_keys=True)

@@ -83,8 +83,7 @@ def _tensorflow_build() -> str:
 
 
 def shared_dir() -> str:
-    root = os.environ.get("TFDIST_CACHE_DIR", os.path.expanduser("~/.cache/tfdist"))
-    return os.path.join(root, "xla", _key())
+    return os.path.join(hardware.cache_dir(), "xla", _key())
 
 
 class Cache:
@@ -93,20 +92,20 @@ class Cache:
 
     def __init__(self, shared: str, private: str):
         self.shared, self.private = shared, private
-        self._copied = set()
+        self._known = set()   # entries the shared directory has (linked in, or published)
         self.filled = False
 
     def fill(self) -> None:
         for name in _entries(self.shared):
             if _place(os.path.join(self.shared, name), os.path.join(self.private, name)):
-                self._copied.add(name)
+                self._known.add(name)
 
     def publish(self) -> int:
         """Add the entries this process compiled since it last published to
         the shared directory (atomically each) and prune it. The number added."""
         added = 0
-        for name in set(_entries(self.private)) - self._copied:
-            self._copied.add(name)
+        for name in set(_entries(self.private)) - self._known:
+            self._known.add(name)
             target = os.path.join(self.shared, name)
             if os.path.exists(target):
                 continue
@@ -201,23 +200,24 @@ def _remove_orphans(shared: str) -> None:
             pass
 
 
-_process_cache: list = []   # this process's Cache, once configured (None: off)
+_configured = False
+_cache: Optional[Cache] = None   # this process's, once configured (None: sharing off)
 
 
 def configure() -> None:
     """Point this process's XLA compilations at its private directory (by
     `TF_XLA_FLAGS`, which TensorFlow reads when its runtime starts: `import
     tfdist` calls this, before). Nothing is written until `start`."""
-    if _process_cache:
+    global _configured, _cache
+    if _configured:
         return
-    cache = None
+    _configured, _cache = True, None
     flags = os.environ.get("TF_XLA_FLAGS", "").split()
     own = [f for f in flags if f.startswith(_FLAG)]
     inherited = own and os.path.basename(own[-1][len(_FLAG):].rstrip("/")).startswith(
         _PRIVATE_PREFIX)
     if own and not inherited:
-        _process_cache.append(None)   # the user's own persistent cache
-        return
+        return   # the user's own persistent cache
     if inherited:   # a parent's private directory: this process gets its own
         flags = [f for f in flags if not f.startswith(_FLAG)]
         os.environ["TF_XLA_FLAGS"] = " ".join(flags)
@@ -232,19 +232,18 @@ def configure() -> None:
         except OSError:
             room = False
         if room:
-            cache = Cache(shared, private)
+            _cache = Cache(shared, private)
             os.environ["TF_XLA_FLAGS"] = " ".join([*flags, _FLAG + private])
-            atexit.register(cache.close)
+            atexit.register(_cache.close)
         else:
             shutil.rmtree(private, ignore_errors=True)
-    _process_cache.append(cache)
 
 
 def start() -> Optional[Cache]:
     """At a run's start: this process's private directory, filled with links
     to the shared entries (once per process). None where sharing is off."""
     configure()
-    cache = _process_cache[0]
+    cache = _cache
     if cache is not None and not cache.filled:
         cache.filled = True
         _remove_orphans(cache.shared)
@@ -255,7 +254,7 @@ def start() -> Optional[Cache]:
 def caused(error: Exception) -> Optional[str]:
     """A one-line reason where `error` (a failed step) is this process's XLA
     cache failing to write, e.g. its disk filled during the run."""
-    cache = _process_cache[0] if _process_cache else None
+    cache = _cache
     if cache is not None and cache.private in str(error):
         return (f"TensorFlow could not write a compiled XLA executable to {cache.private} "
                 f"({str(error).splitlines()[0][:200]}); free space under {cache.shared} or "
@@ -265,5 +264,5 @@ def caused(error: Exception) -> Optional[str]:
 
 def publish() -> None:
     """Share what this process compiled so far (at the end of each run)."""
-    if _process_cache and _process_cache[0] is not None:
-        _process_cache[0].publish()
+    if _cache is not None:
+        _cache.publish()
