@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import resource
 import tempfile
 import threading
 import time
@@ -287,14 +288,41 @@ def pytest_runtest_protocol(item, nextitem):
         timer.cancel()
 
 
+# -- where the suite's time goes: wall and CPU seconds per test file ------------
+# The CPU seconds are this worker's own (all its threads) and those of the
+# processes the test started and reaped (resource.RUSAGE_CHILDREN counts a
+# child's own reaped descendants too: a launcher's workers, horovodrun's ranks).
+# The suite is CPU-bound on 2 cores, so CPU, not wall time, says what a cut saves.
+# A module-scoped cluster's CPU lands on the test whose teardown reaps it.
 _FILE_SECONDS = {}
+_FILE_CPU = {}
+_TEST_CPU = {}
+_cpu_mark = [None]
+
+
+def _cpu_seconds() -> float:
+    own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                    resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    now = _cpu_seconds()
+    start = now if _cpu_mark[0] is None else _cpu_mark[0]
+    _cpu_mark[0] = now
+    outcome.get_result().user_properties.append(("cpu_s", now - start))
 
 
 def pytest_runtest_logreport(report):
-    """Each test file's time (setup, call and teardown of its tests; with
-    xdist, as the workers report them), for `pytest_terminal_summary`."""
+    """Each test file's wall and CPU time (setup, call and teardown of its
+    tests; with xdist, as the workers report them), for `pytest_terminal_summary`."""
     name = report.nodeid.split("::")[0]
     _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+    cpu = dict(report.user_properties).get("cpu_s", 0.0)
+    _FILE_CPU[name] = _FILE_CPU.get(name, 0.0) + cpu
+    _TEST_CPU[report.nodeid] = _TEST_CPU.get(report.nodeid, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -307,10 +335,18 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(open(path).read())
     if not _FILE_SECONDS:
         return
-    total = sum(_FILE_SECONDS.values())
-    terminalreporter.write_sep("=", f"slowest test files (all files: {total:.0f}s of worker time)")
+    total, cpu = sum(_FILE_SECONDS.values()), sum(_FILE_CPU.values())
+    terminalreporter.write_sep("=", f"slowest test files (all files: {total:.0f}s of worker "
+                                    f"time, {cpu:.0f} CPU-s with their processes)")
     for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
-        terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
+        terminalreporter.write_line(f"{seconds:8.1f}s {_FILE_CPU.get(name, 0):7.1f} CPU-s  {name}")
+    if os.environ.get("TFDIST_TEST_CPU_REPORT"):   # every file, by CPU
+        with open(os.environ["TFDIST_TEST_CPU_REPORT"], "w") as out:
+            for name, c in sorted(_FILE_CPU.items(), key=lambda kv: -kv[1]):
+                out.write(f"{c:8.1f} {_FILE_SECONDS[name]:8.1f} {name}\n")
+            out.write("\n")
+            for name, c in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1]):
+                out.write(f"{c:8.1f} {name}\n")
 
 
 def pytest_unconfigure(config):
