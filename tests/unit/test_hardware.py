@@ -31,6 +31,19 @@ def test_amx_cpu_runs_bf16_on_amx_unless_onednn_is_capped(monkeypatch):
     assert hardware.bf16_support() == "AVX-512"
 
 
+def test_the_model_names_its_family_and_model_where_the_name_is_generic():
+    """Two generations of "AMD EPYC" differ by family and model, which every
+    figure's hardware line then carries."""
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\n"
+            "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n")
+    assert hardware.parse_cpuinfo(text) == ("AMD EPYC (family 26 model 2)",
+                                            frozenset({"fpu", "avx2", "avx512f"}))
+    # An ARM /proc/cpuinfo: no model name or family, "Features" for flags.
+    assert hardware.parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd\n") == (
+        "", frozenset({"fp", "asimd"}))
+
+
 def test_this_machine_is_described():
     info = hardware.as_dict()
     assert info["cpu"] and info["cpu_cores"] >= 1

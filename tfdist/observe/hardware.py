@@ -36,19 +36,31 @@ def cache_dir() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _cpuinfo() -> tuple[str, frozenset]:
-    """(model name, ISA flags) of the first CPU in /proc/cpuinfo."""
-    model, flags = "", frozenset()
+    """(model, ISA flags) of the first CPU in /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = (part.strip() for part in line.partition(":"))
-                if key == "model name" and not model:
-                    model = value
-                elif key in ("flags", "Features") and not flags:
-                    flags = frozenset(value.split())
+            model, flags = parse_cpuinfo(f.read())
     except OSError:
-        pass
+        model, flags = "", frozenset()
     return model or platform.processor() or platform.machine(), flags
+
+
+def parse_cpuinfo(text: str) -> tuple[str, frozenset]:
+    """(model, ISA flags) of the first CPU of a /proc/cpuinfo text. The model
+    is its name with the family and model numbers where the file gives them:
+    a virtual machine's name is often only "AMD EPYC" or "Intel(R) Xeon(R)
+    Processor", the same for generations years apart."""
+    fields, flags = {}, frozenset()
+    for line in text.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+        elif key in ("model name", "cpu family", "model") and key not in fields:
+            fields[key] = value
+    name = fields.get("model name", "")
+    if name and fields.get("cpu family") and fields.get("model"):
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name, flags
 
 
 def cpu_model() -> str:
