@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -248,8 +249,11 @@ HEADER = ["model", "precision", "strategy", "fit", "fit+XLA", "fit spe=1", "tfdi
 def measure(model, precision, strategy, seconds):
     """Stream one child's measurements as they come."""
     command = [sys.executable, __file__, "--child", model, precision, strategy, str(seconds)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    # stderr to a file: a pipe nobody reads until the end fills (XLA's
+    # cache-load errors, 2 KB each) and stops the child mid-row.
+    errors = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=errors,
+                               text=True)
     results = {}
     for line in process.stdout:
         if line.startswith("{"):
@@ -262,8 +266,10 @@ def measure(model, precision, strategy, seconds):
                       flush=True)
             else:
                 results.update(result)
-    stderr = process.stderr.read()
-    if process.wait() != 0:
+    returncode = process.wait()
+    errors.seek(0)
+    stderr = errors.read()
+    if returncode != 0:
         sys.exit(f"{model} {precision} {strategy}: child failed:\n{stderr[-3000:]}")
     return results
 

@@ -65,7 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     clock, rows = Clock(), []
     cache = tempfile.mkdtemp(prefix="bench-xla-cache-")
-    env = {**os.environ, "TFDIST_CACHE_DIR": cache, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "TFDIST_CACHE_DIR": cache, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TFDIST_XLA_CACHE": "1"}   # on whatever the CPU; the "off" rows turn it off
     env.pop("TF_XLA_FLAGS", None)
     # The matmul peak (for MFU) measured once first, not inside the first row.
     subprocess.run([PEAK], env=env, capture_output=True, timeout=300, check=True)

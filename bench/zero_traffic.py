@@ -52,15 +52,17 @@ def loopback_bytes(args, stage: int, steps: int, model_dir: str) -> int:
                f"--train_steps={steps}", f"--steps_per_loop={steps}", "--jit_compile=off",
                f"--model_dir={model_dir}"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    errors = tempfile.TemporaryFile("w+")   # a pipe read only at the end could fill
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=errors, text=True)
     seen = 0
     while process.poll() is None:
         seen = max(seen, _cluster_lo(process.pid))
         time.sleep(0.2)
     if process.returncode != 0:
+        errors.seek(0)
         sys.exit(f"zero_traffic.py: stage {stage}, {steps} steps failed: "
-                 f"{process.stderr.read().strip().splitlines()[-1:]}")
+                 f"{errors.read().strip().splitlines()[-1:]}")
     return seen
 
 

@@ -18,7 +18,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(xla_cache, "_configured", False)
     monkeypatch.setattr(xla_cache, "_cache", None)   # restored after the test
     monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TFDIST_XLA_CACHE", raising=False)
+    monkeypatch.setenv("TFDIST_XLA_CACHE", "1")   # on whatever the CPU (the default: below)
     monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=0")
     monkeypatch.setattr(xla_cache.atexit, "register", lambda f: None)
     return tmp_path
@@ -151,3 +151,16 @@ def test_entries_are_copied_where_the_file_system_has_no_hard_links(tmp_path, mo
     assert not os.path.samefile(tmp_path / "a.pb", tmp_path / "b.pb")
     assert not xla_cache._place(str(tmp_path / "gone.pb"), str(tmp_path / "c.pb"))
     assert not (tmp_path / "c.pb").exists()
+
+
+def test_sharing_is_on_by_default_only_where_xla_loads_executables_silently(monkeypatch):
+    """XLA logs two false errors per executable it loads on CPUs with
+    AVX-512: sharing is on by default without it, and as the variable says."""
+    monkeypatch.delenv("TFDIST_XLA_CACHE", raising=False)
+    for flags, on in ((["avx2", "fma"], True), (["avx2", "avx512f", "avx512_bf16"], False)):
+        monkeypatch.setattr(xla_cache.hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert xla_cache.enabled() is on
+        for setting in ("0", "1"):
+            monkeypatch.setenv("TFDIST_XLA_CACHE", setting)
+            assert xla_cache.enabled() is (setting == "1")
+        monkeypatch.delenv("TFDIST_XLA_CACHE")

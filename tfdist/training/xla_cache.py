@@ -29,7 +29,9 @@ only where the private directory could be made, on a disk with
 `MIN_FREE_BYTES` free; a step that fails writing one later (the disk filled
 during the run) ends the run with a line that says so. The shared directory
 is kept under `MAX_BYTES`, the entries added longest ago removed first.
-`TFDIST_XLA_CACHE=0` turns the sharing off; a
+Sharing is on by default on CPUs without AVX-512 (on AVX-512 CPUs XLA logs
+two false errors for every executable it loads: `enabled`);
+`TFDIST_XLA_CACHE=1` turns it on anywhere, `TFDIST_XLA_CACHE=0` off; a
 `--tf_xla_persistent_cache_directory` of the user's own in `TF_XLA_FLAGS` is
 left as it is.
 
@@ -200,6 +202,22 @@ def _remove_orphans(shared: str) -> None:
             pass
 
 
+def enabled() -> bool:
+    """Whether this process shares executables: `TFDIST_XLA_CACHE=1` or `0`
+    says; unset, on except on CPUs with AVX-512. XLA (TF 2.21) compiles for
+    AVX-512 with two LLVM tuning features, `+prefer-no-scatter` and
+    `+prefer-no-gather`, which no host's CPU feature list contains, so each
+    executable it loads from the cache logs two ERROR lines of ~2 KB ("Target
+    machine feature +prefer-no-scatter is not supported on the host
+    machine ... could lead to execution errors such as SIGILL"), though it
+    loads and runs correctly: a cnn's warm start printed 124 of them. On
+    AVX2-only CPUs, where compiling costs most, it loads silently."""
+    setting = os.environ.get("TFDIST_XLA_CACHE", "")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return not any(flag.startswith("avx512") for flag in hardware.cpu_flags())
+
+
 _configured = False
 _cache: Optional[Cache] = None   # this process's, once configured (None: sharing off)
 
@@ -221,7 +239,7 @@ def configure() -> None:
     if inherited:   # a parent's private directory: this process gets its own
         flags = [f for f in flags if not f.startswith(_FLAG)]
         os.environ["TF_XLA_FLAGS"] = " ".join(flags)
-    if os.environ.get("TFDIST_XLA_CACHE", "1") != "0":
+    if enabled():
         # TensorFlow fails a step whose executable it cannot write: the
         # private directory exists, on a disk with room, or nothing is set.
         shared = shared_dir()
