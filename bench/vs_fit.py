@@ -228,7 +228,11 @@ def child(model, precision, strategy_name, seconds):
     share = flops.convolution_share(flops.forward_flops_by_op(model_fn(spec)))
     from tfdist import strategies
     whole_step = strategies.create(StrategyConfig(name=strategy_name)).xla_whole_step
-    level = xla.auto_level(precision, whole_step, share, large_share=xla.large_share(model_fn(spec)))
+    level = xla.auto_level(precision, whole_step, share,
+                           large_share=xla.large_share(model_fn(spec)),
+                           # mirrored's 2 virtual CPUs share the cores (its
+                           # shared_cpu_replicas, known once it is set up)
+                           shared_replicas=2 if strategy_name == "mirrored" else 0)
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only

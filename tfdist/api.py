@@ -156,7 +156,7 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
                      "this CPU); for speed on one CPU use --strategy=default")
     supports = strategy is None or strategy.supports_xla
     auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step,
-                          convolution_share, bool(tc.reduce_bucket_mb), large)
+                          convolution_share, bool(tc.reduce_bucket_mb), large, shared)
     if tc.jit_compile != "auto" and jit_level != auto and supports:
         lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
                      f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "

@@ -166,6 +166,12 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     assert xla.auto_level("mixed_bfloat16", whole_step=False, **small) == xla.OFF
     assert xla.auto_level("mixed_bfloat16", whole_step=False, large_share=0.9) == xla.OPTIMIZER
     assert xla.auto_level("float32", whole_step=False, **small) == xla.STEP
+    # float32 replicas sharing the cores: plain TensorFlow for large matrices
+    # (the mlp under mirrored over virtual CPUs), the step for small ones and
+    # for one replica per device (the controls)
+    assert xla.auto_level("float32", whole_step=False, shared_replicas=2) == xla.OFF
+    assert xla.auto_level("float32", whole_step=False, shared_replicas=2, **small) == xla.STEP
+    assert xla.auto_level("float32", whole_step=False, shared_replicas=0) == xla.STEP
     monkeypatch.setattr(hardware, "bf16_support", lambda: "emulated")
     assert xla.auto_level("mixed_bfloat16") == xla.STEP
     assert xla.auto_level("mixed_bfloat16", whole_step=False) == xla.STEP

@@ -49,6 +49,16 @@ runs on:
     every bf16 row (tfdist on vs off, default strategy: mlp 2082 vs 1251, cnn
     1190 vs 875, transformer 626 vs 429); the fused update alone was not
     measured there;
+  - `off` for float32 models of large matrices where replicas share the
+    CPU's cores as virtual devices (mirrored over virtual CPUs): the FFN
+    mlp (4M-element kernels) under mirrored over 2 virtual CPUs, off /
+    step: 1875 / 1628 and 1903 / 1591 examples/s on a Zen 5 EPYC (family
+    26 model 2), 1192 / 1178 on the AMX Xeon, 1528 / 1557 and
+    1580 / 1320 on a Zen 4 EPYC; with one replica per process
+    (multi_worker, 2 processes) the step won on the Zen 5 (2861 / 1947 and
+    2998 / 2396 for an mlp of 1M-element kernels), and models of small
+    matrices won with the step under mirrored too (the transformer: 1373 /
+    1015 on the Zen 5, 724 / 587 on AMX);
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
     examples/s under the default strategy; 2545 optimizer vs 2479 off vs
@@ -109,13 +119,15 @@ def large_share(model) -> float:
 
 
 def auto_level(precision: str, whole_step: bool = True, convolution_share: float = 0.0,
-               buckets: bool = False, large_share: float = 1.0) -> str:
+               buckets: bool = False, large_share: float = 1.0,
+               shared_replicas: int = 0) -> str:
     """What `--jit_compile=auto` picks on this CPU for `precision`, under an
     engine whose replica step fits in one XLA cluster (`whole_step`) or not,
     for a model with `convolution_share` of its FLOPs in convolutions and
     `large_share` of its parameters in large matrices, with bucketed
-    reductions (`buckets`) or not. The measurements behind each branch are in
-    this module's docstring."""
+    reductions (`buckets`) or not, and `shared_replicas` replicas sharing
+    this CPU's cores as virtual devices (0: one replica per device). The
+    measurements behind each branch are in this module's docstring."""
     bf16 = hardware.bf16_support()
     if precision == "mixed_bfloat16" and (
             bf16 == "AMX" or (bf16 == "AVX-512" and hardware.cpu_vendor() == "AMD")):
@@ -128,6 +140,8 @@ def auto_level(precision: str, whole_step: bool = True, convolution_share: float
         return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
     if convolution_share > CONVOLUTION_SHARE or (buckets and not whole_step):
         return OPTIMIZER
+    if shared_replicas > 1 and large_share >= 0.5:
+        return OFF   # compiled steps of replicas sharing the cores lost to oneDNN's
     return STEP
 
 
@@ -146,7 +160,8 @@ def resolve(setting: str, precision: str, strategy, convolution_share: float = 0
         return OFF
     if setting == "on":
         return STEP
-    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets, large)
+    return auto_level(precision, strategy.xla_whole_step, convolution_share, buckets, large,
+                      strategy.shared_cpu_replicas)
 
 
 def describe(setting: str, level: str) -> str:
