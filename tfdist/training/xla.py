@@ -52,13 +52,13 @@ runs on:
   - `off` for float32 models of large matrices where replicas share the
     CPU's cores as virtual devices (mirrored over virtual CPUs): the FFN
     mlp (4M-element kernels) under mirrored over 2 virtual CPUs, off /
-    step: 1875 / 1628 and 1903 / 1591 examples/s on a Zen 5 EPYC (family
-    26 model 2), 1192 / 1178 on the AMX Xeon, 1528 / 1557 and
-    1580 / 1320 on a Zen 4 EPYC; with one replica per process
-    (multi_worker, 2 processes) the step won on the Zen 5 (2861 / 1947 and
-    2998 / 2396 for an mlp of 1M-element kernels), and models of small
-    matrices won with the step under mirrored too (the transformer: 1373 /
-    1015 on the Zen 5, 724 / 587 on AMX);
+    step: 1875 / 1628, 1903 / 1591 and 2140 / 1698 examples/s on a Zen 5
+    EPYC (family 26 model 2), 1192 / 1178 on the AMX Xeon, 1528 / 1557 and
+    1580 / 1320 in the buckets' measurement below; with one replica per
+    process (multi_worker, 2 processes) the step won on the Zen 5 (step /
+    off 2861 / 1947 and 2998 / 2396 for an mlp of 1M-element kernels), and
+    models of small matrices keep the step under mirrored too (the
+    transformer, step / off: 1373 / 1015 on the Zen 5, 724 / 587 on AMX);
   - `optimizer` for float32 models whose FLOPs are mostly convolutions
     (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
     examples/s under the default strategy; 2545 optimizer vs 2479 off vs
