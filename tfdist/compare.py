@@ -256,12 +256,8 @@ def parse_args(argv: list) -> tuple:
 
 
 def _tool(name: str) -> str:
-    """A console script of this environment (next to its Python), else from PATH."""
-    path = os.path.join(os.path.dirname(sys.executable), name)
-    found = path if os.access(path, os.X_OK) else shutil.which(name)
-    if not found:
-        raise UsageError(f"cannot find {name} next to {sys.executable} or on PATH")
-    return found
+    return engines_lib.executable(name, "reinstall tfdist (make install)" if name.startswith(
+        "tfdist-") else "build Horovod with `make horovod`")
 
 
 def commands(opts, shared: list) -> dict:

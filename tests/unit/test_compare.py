@@ -134,3 +134,24 @@ def test_output_dir_of_someone_else_is_never_cleared(tmp_path):
 
 
 # -- the command ----------------------------------------------------------------
+
+
+def test_a_launcher_is_this_environments_else_the_paths_else_a_usage_error(tmp_path, monkeypatch):
+    """tfdist-compare and the planner's trials find tfdist-launch, tfdist-train
+    and horovodrun the same way (`records.executable`)."""
+    from tfdist.errors import UsageError
+    from tfdist.strategies import records
+    env_bin, path_bin = tmp_path / "venv" / "bin", tmp_path / "path"
+    env_bin.mkdir(parents=True)
+    path_bin.mkdir()
+    monkeypatch.setattr(compare.sys, "executable", str(env_bin / "python"))
+    monkeypatch.setenv("PATH", str(path_bin))
+    with pytest.raises(UsageError, match="cannot find tfdist-launch next to .*; reinstall"):
+        records.executable("tfdist-launch", "reinstall tfdist")
+    for folder in (path_bin, env_bin):   # the PATH's, then this environment's first
+        tool = folder / "tfdist-launch"
+        tool.write_text("#!/bin/sh\n")
+        tool.chmod(0o755)
+        assert records.executable("tfdist-launch", "") == str(tool)
+    (env_bin / "tfdist-launch").chmod(0o644)   # not executable: not this environment's
+    assert records.executable("tfdist-launch", "") == str(path_bin / "tfdist-launch")

@@ -11,7 +11,6 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,16 +36,9 @@ class TrialResult:
         return self.runs[-1].get("examples_per_sec") if self.runs else None
 
 
-def _tool(name: str, install: str) -> str:
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    found = here if os.path.exists(here) else shutil.which(name)
-    if not found:
-        raise UsageError(f"{name} is not installed beside this Python; {install}")
-    return found
-
-
 def _launcher() -> str:
-    return _tool("tfdist-launch", "reinstall tfdist (make install) to run multi-process trials")
+    return records.executable("tfdist-launch",
+                              "reinstall tfdist (make install) to run multi-process trials")
 
 
 def _launch_of(flags: list) -> str:
@@ -66,7 +58,7 @@ def command(runs: list, processes: int, cap: Optional[int], spec: str, out: str)
             raise UsageError("a memory cap per process needs tfdist-launch's processes; "
                              "horovodrun starts Horovod's ranks itself")
         tool, *words = records.local_launcher(records.HOROVODRUN, processes)
-        return [_tool(tool, "build Horovod with `make horovod`"), *words, *cmd]
+        return [records.executable(tool, "build Horovod with `make horovod`"), *words, *cmd]
     if processes > 1 or cap:
         return [_launcher(), f"--workers={processes}",
                 *([f"--worker_memory={cap}"] if cap else []), "--", *cmd]

@@ -19,7 +19,12 @@ An engine outside tfdist declares an `Engine` in a module of its own
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import sys
 from typing import Callable, Optional, Union
+
+from tfdist.errors import UsageError
 
 ENTRY_POINT_GROUP = "tfdist.engines"
 # How an engine's processes start.
@@ -81,6 +86,17 @@ def local_launcher(launch: str, processes: int) -> list:
         return ["horovodrun", "-np", str(processes), "-H", f"localhost:{processes}", "--gloo"]
     ps = ["--ps=1"] if launch == PS_CLUSTER else []
     return ["tfdist-launch", f"--workers={processes}", *ps, "--"]
+
+
+def executable(name: str, remedy: str) -> str:
+    """The path of the console script `name` (a launcher of `local_launcher`,
+    `tfdist-train`): this environment's, beside its Python, else the PATH's.
+    A `UsageError` saying `remedy` where there is none."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = here if os.access(here, os.X_OK) else shutil.which(name)
+    if not found:
+        raise UsageError(f"cannot find {name} next to {sys.executable} or on PATH; {remedy}")
+    return found
 
 
 def local_command(engine: Engine, processes: int, arguments: str) -> str:
