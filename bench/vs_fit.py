@@ -202,11 +202,13 @@ def child(model, precision, strategy_name, seconds):
         except Exception as error:  # noqa: BLE001 - a crash is a result here
             emit(variant, error=_short_error(error))
 
+    strategy_config = StrategyConfig(name=strategy_name,
+                                     virtual_devices=2 if strategy_name == "mirrored" else None)
+
     def train(variant, jit, **options):
         steps = timed_steps or 5 * STEPS_PER_LOOP
         config = RunConfig(
-            strategy=StrategyConfig(name=strategy_name,
-                                    virtual_devices=2 if strategy_name == "mirrored" else None),
+            strategy=strategy_config,
             train=TrainConfig(global_batch_size=batch, train_steps=STEPS_PER_LOOP + steps,
                               steps_per_loop=STEPS_PER_LOOP, precision=precision,
                               jit_compile=jit, seed=0, **options))
@@ -227,12 +229,10 @@ def child(model, precision, strategy_name, seconds):
     from tfdist.training import xla
     share = flops.convolution_share(flops.forward_flops_by_op(model_fn(spec)))
     from tfdist import strategies
-    whole_step = strategies.create(StrategyConfig(name=strategy_name)).xla_whole_step
-    level = xla.auto_level(precision, whole_step, share,
-                           large_share=xla.large_share(model_fn(spec)),
-                           # mirrored's 2 virtual CPUs share the cores (its
-                           # shared_cpu_replicas, known once it is set up)
-                           shared_replicas=2 if strategy_name == "mirrored" else 0)
+    strategy = strategies.create(strategy_config)   # what tfdist.train resolves "auto" with
+    strategy.setup()
+    level = xla.resolve("auto", precision, strategy, share, large=xla.large_share(model_fn(spec)))
+    strategy.close()
     print(json.dumps({"auto_level": level}), flush=True)
     if level == xla.OPTIMIZER:
         train("tfdist auto", "auto")    # the fused optimizer update only
