@@ -93,10 +93,12 @@ from tfdist.strategies import records as engines_lib
 REFERENCE = strategies.REFERENCE
 
 PROG = "tfdist-compare"
+REINSTALL = "reinstall tfdist (make install)"
 
 
 def _launch_workers(opts, argv: list) -> list:
-    return [_tool("tfdist-launch"), f"--workers={opts.workers}", "--", *argv]
+    return [engines_lib.executable("tfdist-launch", REINSTALL), f"--workers={opts.workers}",
+            "--", *argv]
 
 
 def _launch_horovod(opts, argv: list) -> list:
@@ -104,7 +106,7 @@ def _launch_horovod(opts, argv: list) -> list:
         raise UsageError("--strategy=horovod: Horovod is not installed in this "
                          "environment; build it with `make horovod`")
     tool, *words = engines_lib.local_launcher(engines_lib.HOROVODRUN, opts.workers)
-    return [_tool(tool), *words, *argv]
+    return [engines_lib.executable(tool, "build Horovod with `make horovod`"), *words, *argv]
 
 
 def _launch_workers_if_asked(opts, argv: list) -> list:
@@ -255,14 +257,9 @@ def parse_args(argv: list) -> tuple:
     return opts, shared
 
 
-def _tool(name: str) -> str:
-    return engines_lib.executable(name, "reinstall tfdist (make install)" if name.startswith(
-        "tfdist-") else "build Horovod with `make horovod`")
-
-
 def commands(opts, shared: list) -> dict:
     """{run name: argv} of the two runs, in the order they run."""
-    train = _tool("tfdist-train")
+    train = engines_lib.executable("tfdist-train", REINSTALL)
 
     def flags(strategy, every):
         return [*shared, f"--strategy={strategy}",
