@@ -297,7 +297,7 @@ def pytest_runtest_protocol(item, nextitem):
 _FILE_SECONDS = {}
 _FILE_CPU = {}
 _TEST_CPU = {}
-_cpu_mark = [None]
+_cpu_mark = None   # this worker's CPU seconds when its last report was made
 
 
 def _cpu_seconds() -> float:
@@ -308,10 +308,10 @@ def _cpu_seconds() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    global _cpu_mark
     outcome = yield
     now = _cpu_seconds()
-    start = now if _cpu_mark[0] is None else _cpu_mark[0]
-    _cpu_mark[0] = now
+    start, _cpu_mark = (now if _cpu_mark is None else _cpu_mark), now
     outcome.get_result().user_properties.append(("cpu_s", now - start))
 
 
