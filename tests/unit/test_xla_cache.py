@@ -12,11 +12,16 @@ from tfdist.training import xla_cache
 FLAG = "--tf_xla_persistent_cache_directory="
 
 
+def _unconfigured(monkeypatch):
+    """This process as before `configure` (both names restored after the test)."""
+    monkeypatch.setattr(xla_cache, "_configured", False)
+    monkeypatch.setattr(xla_cache, "_cache", None)
+
+
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """A process that has not configured its cache yet, with its own cache root."""
-    monkeypatch.setattr(xla_cache, "_configured", False)
-    monkeypatch.setattr(xla_cache, "_cache", None)   # restored after the test
+    _unconfigured(monkeypatch)
     monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TFDIST_XLA_CACHE", "1")   # on whatever the CPU (the default: below)
     monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=0")
@@ -46,13 +51,11 @@ def test_no_sharing_where_tensorflow_could_not_write(fresh, monkeypatch):
     xla_cache.configure()
     assert os.environ["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=0" and xla_cache.start() is None
     assert not [n for n in os.listdir(xla_cache.shared_dir()) if n.startswith("tfdist-xla-")]
-    monkeypatch.setattr(xla_cache, "_configured", False)
-    monkeypatch.setattr(xla_cache, "_cache", None)   # restored after the test
+    _unconfigured(monkeypatch)
     monkeypatch.setenv("TFDIST_CACHE_DIR", "/proc/no-such-folder")
     xla_cache.configure()
     assert os.environ["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=0"
-    monkeypatch.setattr(xla_cache, "_configured", False)
-    monkeypatch.setattr(xla_cache, "_cache", None)   # restored after the test
+    _unconfigured(monkeypatch)
     monkeypatch.setattr(xla_cache, "MIN_FREE_BYTES", 0)
     monkeypatch.setenv("TFDIST_CACHE_DIR", str(fresh))
     xla_cache.configure()
@@ -77,8 +80,7 @@ def test_a_parents_directory_is_replaced_and_the_users_own_is_kept(fresh, monkey
     # The user's own cache, and sharing turned off: left alone (the controls).
     for env in ({"TF_XLA_FLAGS": FLAG + "/data/my-xla"},
                 {"TF_XLA_FLAGS": "", "TFDIST_XLA_CACHE": "0"}):
-        monkeypatch.setattr(xla_cache, "_configured", False)
-        monkeypatch.setattr(xla_cache, "_cache", None)   # restored after the test
+        _unconfigured(monkeypatch)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         xla_cache.configure()
