@@ -154,9 +154,9 @@ def slow_choice_warnings(config: RunConfig, jit_level: str, strategy=None,
                      "the mlp ran 0.48x (float32) and 0.66x (bfloat16) of one device on a "
                      "2-core EPYC, 0.78x and 0.61x on an AMX Xeon; bench/vs_fit.py measures "
                      "this CPU); for speed on one CPU use --strategy=default")
-    supports = strategy is None or strategy.supports_xla
-    auto = xla.auto_level(tc.precision, strategy is None or strategy.xla_whole_step,
-                          convolution_share, bool(tc.reduce_bucket_mb), large, shared)
+    buckets, supports = bool(tc.reduce_bucket_mb), strategy is None or strategy.supports_xla
+    auto = (xla.resolve("auto", tc.precision, strategy, convolution_share, buckets, large)
+            if strategy else xla.auto_level(tc.precision, True, convolution_share, buckets, large))
     if tc.jit_compile != "auto" and jit_level != auto and supports:
         lines.append(f"--jit_compile={tc.jit_compile}: on this CPU (bf16 matmuls: {bf16}) "
                      f"{xla.describe('auto', auto)} is faster for --precision={tc.precision} "
