@@ -122,6 +122,10 @@ def _max_gap(report):
     return float(re.search(r"largest smoothed relative loss gap (\S+)", report).group(1))
 
 
+# make slow: three tfdist-compare runs of real engines (~70 CPU-s). make test covers
+# them with tests/unit/test_compare.py (divergence, commands), the two process tests
+# above and the engines' own equivalences (test_multi_worker.py, test_one_run.py).
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(500)   # the other comparisons run meanwhile (the fixture)
 def test_two_workers_match_default(real_compares):
@@ -150,6 +154,7 @@ def test_two_workers_match_default(real_compares):
     assert re.search(r"Overall min: 0\.\d+", report)
 
 
+@pytest.mark.slow   # the same three runs
 @pytest.mark.integration
 @pytest.mark.timeout(500)
 def test_zero3_matches_default(real_compares):
@@ -165,6 +170,7 @@ def test_zero3_matches_default(real_compares):
     assert "--zero_stage=3" in report
 
 
+@pytest.mark.slow   # the same three runs
 @pytest.mark.integration
 @pytest.mark.timeout(500)
 def test_broken_distributed_side_diverges(real_compares):

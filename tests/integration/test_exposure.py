@@ -66,7 +66,10 @@ _ip = netns.ip
 
 
 _WHY = netns.why_not(PREFIX)
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
+# make slow (~65 CPU-s); make test: test_launcher.py's
+# test_network_confines_the_cluster_or_shares_this_hosts (the namespace that confines).
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
 
 
 class Outside:

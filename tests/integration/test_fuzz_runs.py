@@ -69,6 +69,7 @@ TF_LOG_PREFIXES = ("WARNING: All log messages", "I0000", "E0000", "W0000")
 LOG_LINE = re.compile(r"[IW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ ]+:\d+\] ")
 
 
+@pytest.mark.slow   # ~25 CPU-s; make test: tests/unit/test_fuzz.py in one process, test_cli.py
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_fuzzed_cli_runs_or_exits_2_in_one_line_writing_nothing(tmp_path, data_dir):

@@ -609,6 +609,9 @@ def test_dead_rank_ends_the_job(tmp_path, data_dir, background):
     _assert_no_rank_left()
 
 
+# make slow: two horovodruns (~32 CPU-s); make test: test_reliability.py's SIGTERM to one
+# process and to a launcher's worker (the agreed step, 143, the rerun).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_to_one_rank_saves_one_step_on_both_and_a_rerun_finishes(tmp_path, data_dir,
                                                                          background):

@@ -76,7 +76,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# make slow: the transformer (attention's traces, ~20 CPU-s); make test: the mlp and
+# cnn cases, and clipping by the whole model's norm in test_pipeline_processes.py.
+SLOW_CASES = {"transformer clip"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES
+                                  else case for case in CASES])
 def test_an_update_equals_accumulating_the_micro_batches_on_one_device(case):
     model, settings, runs = CASES[case]
     depth = settings.get("depth", 4)

@@ -117,11 +117,49 @@ PROCESS_RUNS = {
 }
 
 
+# Two clusters: `make test` runs the first (interleaved 1F1B, the cnn under
+# GPipe in bf16, checkpoints in parts and their resume, ZeRO-1 against the
+# same run without it); `make slow` the second, whose behaviours faster tests
+# in `make test` cover: keras-hub Gemma's tied embedding across processes
+# (test_pipeline.py pipelines Gemma in one process, its tied gradients summed
+# across stages) and a NaN rolled back under ZeRO-1 (test_nonfinite.py's
+# rollback, test_nonfinite_cluster.py's workers, ZeRO-1 here). Each run's
+# checks are in its cluster's tier.
+SLOW_RUNS = {"keras-hub gemma, 2 stages x 2 chunks x 2 replicas",
+             "2 stages x 2 replicas, a NaN loss rolled back"}
+
+
+def _tier(name):
+    return pytest.param(name, marks=pytest.mark.slow) if name in SLOW_RUNS else name
+
+
+class _Clusters:
+    """The runs' results by name; the first lookup of a run starts its
+    tier's cluster (the runs a tier's runs start from are in that tier)."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.found = tmp_path_factory, {}
+
+    def tier(self, slow):
+        names = [name for name in PROCESS_RUNS if (name in SLOW_RUNS) == slow]
+        if names[0] not in self.found:
+            self.found.update(_cluster(self.tmp_path_factory, names))
+        return {name: self.found[name] for name in names}
+
+    def __getitem__(self, name):
+        return self.tier(name in SLOW_RUNS)[name]
+
+
 @pytest.fixture(scope="module")
 def process_runs(tmp_path_factory):
+    return _Clusters(tmp_path_factory)
+
+
+def _cluster(tmp_path_factory, names):
     directory = tmp_path_factory.mktemp("pipeline_processes")
     runs, initials = [], {}
-    for k, (name, overrides) in enumerate(PROCESS_RUNS.items()):
+    for k, name in enumerate(names):
+        overrides = PROCESS_RUNS[name]
         model = dataclasses.replace(mw_config("default").model,
                                     **{"depth": 3, **overrides.get("model", {})})
         os.makedirs(directory / str(k))
@@ -155,7 +193,7 @@ def process_runs(tmp_path_factory):
         text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     found = {}
-    for k, name in enumerate(PROCESS_RUNS):
+    for k, name in enumerate(names):
         with open(directory / str(k) / "summary-0.json") as f:
             summary = json.load(f)
         made, stages_model = [], []
@@ -172,7 +210,9 @@ def process_runs(tmp_path_factory):
     return found
 
 
-def test_each_process_makes_storage_for_its_stage_only(process_runs):
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["first cluster", "second cluster"])
+def test_each_process_makes_storage_for_its_stage_only(process_runs, slow):
     """Storage made for trainable variables (counted by a variable creator
     under tfdist's, in each worker) is the worker's own stage's, in every
     process of every run: no process makes, or receives at build, another
@@ -181,7 +221,7 @@ def test_each_process_makes_storage_for_its_stage_only(process_runs):
     worker S (stage 0 of replica 1) holds. The control: a model_fn that fails
     where variables have no storage makes every process build the model
     whole (as in one process), and the same check finds it made in each."""
-    for name, (saved, initial, run, summary) in process_runs.items():
+    for name, (saved, initial, run, summary) in process_runs.tier(slow).items():
         made = [m["trainable_made"] for m in run["made"]]
         held = [m["trainable_held"] for m in run["made"]]
         stages, whole = run["strategy"]["pipeline_stages"], run["made"][0]["trainable_total"]
@@ -199,7 +239,7 @@ def test_each_process_makes_storage_for_its_stage_only(process_runs):
             assert made[w] == held[w] < whole, (name, w, made, held)
 
 
-@pytest.mark.parametrize("name", [name for name, run in PROCESS_RUNS.items()
+@pytest.mark.parametrize("name", [_tier(name) for name, run in PROCESS_RUNS.items()
                                   if "hub" not in run and "same_as" not in run])
 def test_stages_in_processes_equal_accumulation_on_one_device(process_runs, name, tmp_path):
     saved, initial, run, summary = process_runs[name]
@@ -409,6 +449,7 @@ def _slots_split_between_replicas(held, weights, total, stages):
     return [whole[w] for w in workers]
 
 
+@pytest.mark.slow   # the second cluster's
 def test_a_layer_shared_by_two_stages_stays_one_across_processes(process_runs):
     """keras-hub's Gemma on 2 stages x 2 chunks x 2 replicas (interleaved):
     every worker holds the tied token embedding (stage 0's on the first

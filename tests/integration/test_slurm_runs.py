@@ -23,6 +23,10 @@ from conftest import BIN, REPO, free_port, wait_for_horovod_build
 
 LOCAL_SLURM = os.path.join(REPO, "launch", "slurm", "local_slurm.sh")
 SBATCH = os.path.join(REPO, "launch", "slurm", "tfdist.sbatch")
+# make slow: Slurm jobs (about a minute, its daemons' CPU beside it); make test:
+# tests/unit/test_slurm.py (the allocation to TF_CONFIG), the engines under tfdist-launch.
+pytestmark = pytest.mark.slow
+
 JOB_LIMIT_S = 240   # each job's hard limit (Slurm's --time is in whole minutes: 5)
 TINY = ["--model=mlp", "--model_width=16", "--model_depth=1", "--dataset=tfdist_shapes",
         "--global_batch_size=32", "--train_steps=6", "--steps_per_loop=3",

@@ -24,6 +24,7 @@ def _error_line(result):
     return lines[0]
 
 
+@pytest.mark.slow   # ~35 CPU-s; make test: tests/unit/test_tfds.py (layouts, text, offline)
 @pytest.mark.integration
 def test_cli_trains_mnist_and_imdb_layouts_and_fails_fast_offline(tfds_dir, tmp_path):
     common = [f"--data_dir={tfds_dir}", "--strategy=default", "--global_batch_size=32",

@@ -273,7 +273,10 @@ def _train_llama(config, initial, rules=None):
                        token_dataset_fn_for(LLAMA_TOKENS), rules)
 
 
-@pytest.mark.parametrize("mesh,zero", [("batch:2,model:2", 0), ("batch:4,model:1", 3)],
+# ZeRO-3 in make slow (~14 CPU-s); make test: Llama's own layout map here, ZeRO-3 of
+# users' models in the depthwise and custom-gradient cases and test_one_run.py.
+@pytest.mark.parametrize("mesh,zero", [("batch:2,model:2", 0),
+                                       pytest.param("batch:4,model:1", 3, marks=pytest.mark.slow)],
                          ids=["own_layout_map", "zero3"])
 def test_keras_hub_llama_trains_like_one_device(llama_reference, mesh, zero):
     """Llama under tensor parallelism with keras-hub's own `get_layout_map`,
