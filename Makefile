@@ -73,7 +73,7 @@ test: $(STAMP) iproute2
 	@tests/run_suite.sh $(VENV)
 
 # The tests marked slow (pytest -m slow), which `make test` leaves out to keep
-# its budget; CI runs both. What goes here (CONTRIBUTING.md, "Two tiers"):
+# its budget; CI runs both. What goes here (CONTRIBUTING.md, `make slow`):
 # accuracy runs, XLA compiles, the transformer's sharded cases, the capped
 # memory proofs, further cells of a matrix whose property `make test` proves
 # on another engine or model, and end-to-end runs of what faster tests cover

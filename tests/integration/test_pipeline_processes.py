@@ -135,15 +135,23 @@ def _tier(name):
 
 class _Clusters:
     """The runs' results by name; the first lookup of a run starts its
-    tier's cluster (the runs a tier's runs start from are in that tier)."""
+    tier's cluster (the runs a tier's runs start from are in that tier). A
+    cluster that failed fails its tier's other tests without running again,
+    as a failed module fixture does."""
 
     def __init__(self, tmp_path_factory):
-        self.tmp_path_factory, self.found = tmp_path_factory, {}
+        self.tmp_path_factory, self.found, self.failed = tmp_path_factory, {}, {}
 
     def tier(self, slow):
         names = [name for name in PROCESS_RUNS if (name in SLOW_RUNS) == slow]
+        if slow in self.failed:
+            raise self.failed[slow]
         if names[0] not in self.found:
-            self.found.update(_cluster(self.tmp_path_factory, names))
+            try:
+                self.found.update(_cluster(self.tmp_path_factory, names))
+            except BaseException as error:
+                self.failed[slow] = error
+                raise
         return {name: self.found[name] for name in names}
 
     def __getitem__(self, name):
