@@ -4,7 +4,12 @@ the chief's plan once written or fails in one line, and `auto` is a valid
 --strategy that is not an engine. The whole path (plan, reuse, a cluster):
 tests/integration/test_plan.py."""
 
+import glob
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import keras
 import pytest
@@ -83,6 +88,87 @@ def test_a_worker_that_waits_in_vain_fails_in_one_line_naming_the_key_and_path(t
     ticks = iter(range(0, 1000, 5))
     with pytest.raises(UsageError, match="0.0.9"):
         auto.wait_for(path, "k", WHERE, timeout=12, clock=lambda: next(ticks))
+
+
+def test_a_worker_waits_while_the_chief_reports_progress_then_no_longer(tmp_path):
+    """A chief's first plan on a host measures the host for minutes beyond
+    the search's bound: a waiting worker keeps waiting while the chief's
+    progress beside the plan changes, and fails `silence` s after its last
+    line, quoting it. The control: the same wait without progress fails at
+    `timeout`."""
+    path = str(tmp_path / "plans" / "k.json")
+    progress = auto.progress_of(path)
+    now = [0.0]
+
+    def clock():   # each look: 5 s; the chief writes a line at every look until 60 s
+        now[0] += 5
+        if now[0] <= 60:
+            auto.write_text(progress, f"probe {int(now[0])}")
+            os.utime(progress, ns=(int(now[0] * 1e9),) * 2)
+        return now[0]
+    beats = []
+    with pytest.raises(UsageError) as error:
+        auto.wait_for(path, "k", WHERE, timeout=12, clock=clock, silence=30,
+                      beat=lambda: beats.append(now[0]))
+    assert 90 <= now[0] <= 100, now[0]    # the last line (60 s) + 30 s silence
+    assert "the chief's last progress: 'probe 60'" in str(error.value)
+    assert beats and "\n" not in str(error.value)
+    now[0] = 1000.0      # the control: no new line
+    with pytest.raises(UsageError):
+        auto.wait_for(path, "k", WHERE, timeout=12, clock=lambda: now.__setitem__(
+            0, now[0] + 5) or now[0], silence=30)
+    assert now[0] - 1000.0 <= 20
+
+
+def test_the_planning_process_is_waited_for_while_it_reports_progress(tmp_path):
+    """`--strategy=auto` waits for its planning process as long as each
+    line follows the last within the bound, however long the whole takes,
+    and stops waiting once it falls silent (the control)."""
+    progress = str(tmp_path / "progress")
+    writer = ("import os, sys, time\n"
+              "for i in range(int(sys.argv[2])):\n"
+              "    open(sys.argv[1], 'w').write(f'line {i}'); time.sleep(0.4)\n"
+              "time.sleep(float(sys.argv[3]))\n")
+    busy = subprocess.Popen([sys.executable, "-c", writer, progress, "8", "0"])
+    started = time.monotonic()
+    auto.wait_while_progressing(busy, progress, silence=1.5)
+    assert busy.returncode == 0 and time.monotonic() - started > 2.5   # longer than the bound
+    silent = subprocess.Popen([sys.executable, "-c", writer, progress, "2", "60"])
+    try:
+        with pytest.raises(UsageError, match="no progress for 2 s after 'line 1'"):
+            auto.wait_while_progressing(silent, progress, silence=1.5)
+        assert silent.poll() is None     # the caller stops it
+    finally:
+        silent.kill()
+        silent.wait()
+
+
+def test_the_chief_writes_its_progress_beside_the_plan_while_planning(tmp_path, monkeypatch):
+    """Each line of the chief's planning is the latest progress beside the
+    plan (what the waiting workers watch) and in the parent's file; the file
+    beside the plan is gone once the plan is written."""
+    from tfdist import planner
+    monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    class Made:
+        class winner:
+            engine, options = "default", {}
+            describe = staticmethod(lambda: "default")
+            measured_rate = staticmethod(lambda: 1.0)
+        runner_up = None
+        flagfile = staticmethod(lambda: "")
+
+    def fake_plan(config, log, **options):
+        log("probe 1/20")
+        seen.extend(open(p).read() for p in glob.glob(str(tmp_path / "plans" / "*.progress")))
+        return Made
+    monkeypatch.setattr(planner, "plan", fake_plan)
+    parent = str(tmp_path / "parent")
+    choice = auto.choose_here(run_config(batch=32), log=lambda line: None, progress=parent)
+    assert seen == ["probe 1/20"]
+    assert not os.path.exists(auto.progress_of(choice.path)) and os.path.exists(choice.path)
+    assert open(parent).read() == "probe 1/20"
 
 
 def test_auto_is_a_strategy_but_not_an_engine():

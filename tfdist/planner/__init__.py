@@ -308,8 +308,7 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
     probes = {engine.name: search_lib.cost_model(engine).probes(host.devices)
               for engine in strategies.engines()
               if hasattr(search_lib.cost_model(engine), "probes")}
-    calibration.probe = calibrate.probe(probes, host.devices, config, log, scratch,
-                                        timeout=120.0)
+    calibration.probe = calibrate.probe(probes, host.devices, config, log, scratch)
     once = time.monotonic() - host_started
     if once > 10:
         log(f"this host's engine runtimes and probes took {once:.0f} s (cached: once per "

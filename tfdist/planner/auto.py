@@ -8,7 +8,11 @@ the CPU, TensorFlow's and tfdist's versions). A cached plan whose key
 matches is reused where it was made on this kind of host with these
 versions; else it is not reused, the log says why, and the run plans again.
 On a cluster the chief plans (its trials run on its host) and writes the
-plan; the other workers wait for it, bounded, or find it cached. A cluster
+plan; the other workers wait for it, or find it cached. Waiting is bounded
+by progress, not by a total: a plan's first measurements on a host (its
+engines' runtimes and probes, cached) take minutes beyond the search's own
+seconds, so a waiter gives up when the planner has reported nothing new
+for longer than its longest single measurement (`silence_bound`). A cluster
 over several hosts is planned when `--link_bandwidth` says what the links
 between them carry (trials on the chief's host do not measure them), else
 refused unless its plan is cached.
@@ -37,9 +41,50 @@ from tfdist.config import RunConfig
 from tfdist.errors import UsageError
 from tfdist.observe import hardware
 
-# The seconds a worker waits for the chief's plan beyond the search's own bound.
+# The seconds a worker waits for the chief's plan beyond the search's own
+# bound, however long the chief's progress goes on.
 WAIT_MARGIN_S = 300.0
 POLL_S = 0.5
+# Beyond the longest process a plan starts: stopping it (up to 20 s) and the
+# planner's own work between two progress lines (building, tracing the model).
+SILENCE_MARGIN_S = 120.0
+
+
+def silence_bound(options: dict) -> float:
+    """The longest a planning process goes without a progress line: its
+    longest measurement (a probe's or a trial's bound, or a calibration
+    run's, half the search's seconds) and SILENCE_MARGIN_S."""
+    from tfdist.planner.trials import LONGEST_S
+    return max(LONGEST_S, options.get("search_seconds", 180.0) / 2) + SILENCE_MARGIN_S
+
+
+def progress_of(path: str) -> str:
+    """Where the chief planning the plan at `path` writes its latest line."""
+    return path + ".progress"
+
+
+def _note(paths: list, line: str) -> None:
+    """`line` as the latest progress in each of `paths` (best effort)."""
+    for path in paths:
+        try:
+            write_text(path, line)
+        except OSError:
+            pass
+
+
+def _stamp(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 @dataclasses.dataclass
@@ -105,10 +150,14 @@ def read(path: str) -> Optional[dict]:
 
 def write(path: str, record: dict) -> None:
     """Atomically: a waiting worker never reads half a plan."""
+    write_text(path, json.dumps(record, indent=1, sort_keys=True))
+
+
+def write_text(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
+        f.write(text)
     os.replace(temporary, path)
 
 
@@ -121,21 +170,35 @@ def stale_reason(record: dict, where: dict) -> Optional[str]:
 
 
 def wait_for(path: str, key: str, where: dict, timeout: float,
-             clock: Callable[[], float] = time.monotonic) -> dict:
+             clock: Callable[[], float] = time.monotonic, silence: Optional[float] = None,
+             beat: Callable[[], None] = lambda: None) -> dict:
     """A non-chief worker: the chief's plan once written (and fit for this
-    host), or `UsageError` naming the key and the path after `timeout` s."""
+    host), or `UsageError` naming the key and the path after `timeout` s,
+    or, while the chief reports progress (`progress_of(path)`), `silence` s
+    after its last new line. `beat()` on each look (this waiter's own
+    progress)."""
     deadline = clock() + timeout
+    progress = progress_of(path)
+    seen = _stamp(progress)
     while True:
         record = read(path)
         if record is not None and stale_reason(record, where) is None:
             return record
+        stamp = _stamp(progress)
+        if stamp != seen:
+            seen = stamp
+            if silence and stamp is not None:   # a new line, not the file's removal
+                deadline = max(deadline, clock() + silence)
         if clock() >= deadline:
             found = f" (the one there: {stale_reason(record, where)})" if record else ""
+            last = _last_line(progress) if seen else ""
             raise UsageError(
                 f"--strategy=auto: no plan {key} from the chief after {timeout:.0f} s at "
-                f"{path}{found}; the chief plans and writes it there (every worker must see "
+                f"{path}{found}" + (f" (the chief's last progress: {last!r})" if last else "")
+                + "; the chief plans and writes it there (every worker must see "
                 "the same TFDIST_CACHE_DIR), or plan ahead with tfdist-plan and run its "
                 "flagfile")
+        beat()
         time.sleep(POLL_S)
 
 
@@ -150,19 +213,16 @@ def choose(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
     options = dict(options or {})
     request = {"flags": config_lib.as_flags(config), "options": options,
                "functions": functions_lib.records(model_fn, dataset_fn, layout_rules, spec)}
-    timeout = options.get("search_seconds", 180.0) + WAIT_MARGIN_S + 120.0
     with tempfile.TemporaryDirectory(prefix="tfdist-auto-") as scratch:
         request_path, out = os.path.join(scratch, "request.json"), os.path.join(scratch, "out")
+        request["progress"] = os.path.join(scratch, "progress")
         with open(request_path, "w") as f:
             json.dump(request, f)
         proc = subprocess.Popen([sys.executable, "-m", "tfdist.planner.choose", request_path,
                                  out], env={**os.environ, "PYTHONPATH": _python_path()},
                                 preexec_fn=_die_with_parent)
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise UsageError(f"--strategy=auto: the plan took over {timeout:.0f} s; lower "
-                             "--search_seconds or plan ahead with tfdist-plan") from None
+            wait_while_progressing(proc, request["progress"], silence_bound(options))
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -173,6 +233,24 @@ def choose(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
                          f"exited with status {proc.returncode}")
     choice = Choice(**answer)
     return search_lib.apply(config, choice.engine, _typed(choice.options)), choice
+
+
+def wait_while_progressing(proc, progress: str, silence: float,
+                           clock: Callable[[], float] = time.monotonic) -> None:
+    """Wait for the planning process `proc` while it reports progress (a new
+    line in `progress`): `UsageError` after `silence` s without one."""
+    seen, since = _stamp(progress), clock()
+    while proc.poll() is None:
+        stamp = _stamp(progress)
+        if stamp != seen:
+            seen, since = stamp, clock()
+        elif clock() - since > silence:
+            last = _last_line(progress)
+            raise UsageError(
+                f"--strategy=auto: the planner reported no progress for {silence:.0f} s"
+                + (f" after {last!r}" if last else "") + "; plan ahead with tfdist-plan "
+                "(it prints each measurement) and run its flagfile")
+        time.sleep(POLL_S)
 
 
 def _die_with_parent() -> None:
@@ -199,13 +277,31 @@ def _python_path() -> str:
     return os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
 
 
+class _Progress:
+    """A planning process's log: each line also the latest progress in each
+    of `paths` (the parent's file; beside the plan while planning)."""
+
+    def __init__(self, log: Callable[[str], None], path: Optional[str]):
+        self.said, self.paths = log, [path] if path else []
+
+    def __call__(self, line: str) -> None:
+        self.said(line)
+        _note(self.paths, line)
+
+    def beat(self) -> None:
+        for path in self.paths:
+            if os.path.exists(path):
+                os.utime(path)
+
+
 def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
                 layout_rules=None, options: Optional[dict] = None,
-                log: Callable[[str], None] = print) -> Choice:
+                log: Callable[[str], None] = print, progress: Optional[str] = None) -> Choice:
     """The plan `config` follows: cached, made now (chief) or awaited (other
-    workers). Runs TensorFlow (the key's model build, the planner)."""
-    from tfdist.planner import plan as make_plan
-    options = dict(options or {})
+    workers). Runs TensorFlow (the key's model build, the planner). Each
+    line logged is the latest progress in `progress` (if given) and, while
+    this process plans, beside the plan (`progress_of`) for the waiters."""
+    options, log = dict(options or {}), _Progress(log, progress)
     spec_cluster, processes, hosts = _cluster_shape(config)
     options["processes"] = processes
     options["hosts"] = hosts if processes % hosts == 0 else 1
@@ -224,24 +320,49 @@ def choose_here(config: RunConfig, *, model_fn=None, dataset_fn=None, spec=None,
     elif spec_cluster and not spec_cluster.is_chief:
         log(f"waiting for the chief's plan {key} at {path}")
         record = wait_for(path, key, where,
-                          options.get("search_seconds", 180.0) + WAIT_MARGIN_S)
+                          options.get("search_seconds", 180.0) + WAIT_MARGIN_S,
+                          silence=silence_bound(options), beat=log.beat)
     else:
         if reason:
             log(f"the cached plan {key} is not reused: {reason}; planning again")
+        record = _plan_and_write(
+            config, dict(model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
+                         layout_rules=layout_rules), options, (key, path, what, where),
+            _launches(spec_cluster), log)
+    return Choice(key=key, path=path, engine=record["engine"], options=record["options"],
+                  describe=record.get("describe", record["engine"]),
+                  runner_up=record.get("runner_up", ""), reused=reused)
+
+
+def _plan_and_write(config: RunConfig, functions: dict, options: dict, plan_id: tuple,
+                    launches: tuple, log: _Progress) -> dict:
+    """Plan now and write the plan's record at its path; meanwhile each line
+    is the latest progress beside it, for the workers that wait."""
+    from tfdist.planner import plan as make_plan
+    key, path, what, where = plan_id
+    processes = options["processes"]
+    log.paths.append(progress_of(path))
+    try:
         log(f"planning {key} for {processes} process(es) (written to {path})")
         base = config.replace(strategy=config.strategy.replace(name=strategies.REFERENCE))
-        made = make_plan(base, model_fn=model_fn, dataset_fn=dataset_fn, spec=spec,
-                         layout_rules=layout_rules, log=log, launches=_launches(spec_cluster),
-                         **options)
+        made = make_plan(base, log=log, launches=launches, **functions, **options)
         record = {"what": what, "where": where, "engine": made.winner.engine,
                   "options": made.winner.options, "describe": made.winner.describe(),
                   "examples_per_sec": made.winner.measured_rate(),
                   "runner_up": made.runner_up.describe() if made.runner_up else "",
                   "flagfile": made.flagfile()}
         write(path, record)
-    return Choice(key=key, path=path, engine=record["engine"], options=record["options"],
-                  describe=record.get("describe", record["engine"]),
-                  runner_up=record.get("runner_up", ""), reused=reused)
+        return record
+    finally:
+        log.paths.pop()
+        _remove(progress_of(path))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _launches(spec_cluster) -> tuple:

@@ -6,6 +6,7 @@ cached per host, TensorFlow and tfdist version)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -21,7 +22,7 @@ from tfdist.observe import hardware
 from tfdist.planner import trials as trials_lib
 from tfdist.planner.costs import Calibration, OneDeviceRun, Probe
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 # A loop of 100 steps, twice: an engine's resident memory grows over its first
 # long loop (dtensor's, by 0.14 GiB from a 10-step loop to a 100-step one, then
 # flat; one device's not at all), and a trial's loop is about as long. Without
@@ -243,10 +244,24 @@ def baselines(families: dict, devices: int, config: RunConfig, kind: str, functi
 # parameters, few operations), and one of many operations and few bytes (24
 # layers of 16 units: 334 operations in a micro-batch's graph, 30 KiB).
 PROBE_MODELS = {"": dict(width=1024, depth=2), "graph ": dict(width=16, depth=24)}
+# Whose rates the cost models read: the first's (an engine's step time
+# beyond its terms); of the second only the peaks are read.
+TIMED_PROBE = ""
+# A probe's loops: two, of 100 steps divided among its micro-batches (at
+# least 25: about a second of the slowest probe's steps on 2 cores), the
+# second timed; 25 where the rates are not read. Shorter than the runtimes'
+# (LOOPS): a probe's peak, unlike a tiny model's runtime, is its first
+# loop's (measured on 2 cores: 200 steps against 40, peaks within 9 MiB of
+# 330-970 MiB, rates within 8%), and its dtensor runs at 8 micro-batches
+# spent most of their 45-50 s in 200 steps.
+PROBE_LOOP_STEPS, PROBE_MIN_LOOP_STEPS = 100, 25
+# Probes whose rates are not read run this many at once (their peaks are
+# each process's own; a dtensor probe keeps about 1.2 of 2 cores busy).
+UNTIMED_AT_ONCE = 2
 
 
 def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
-          work_dir: Optional[str], timeout: float) -> Optional[Probe]:
+          work_dir: Optional[str]) -> Optional[Probe]:
     """The probe models on one device (the first at one micro-batch and at
     each number a probe runs) and under each engine's probe options: each
     run's peak and examples/s. `wanted`: engine name -> {variant: options}.
@@ -256,18 +271,30 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
         return None
     runs, configs = {}, {}
     for prefix, shape in PROBE_MODELS.items():
-        configs[prefix], model_runs = _probe_runs(wanted, config, shape)
+        configs[prefix], model_runs = _probe_runs(wanted, config, shape,
+                                                  timed=prefix == TIMED_PROBE)
         runs.update({prefix + name: run for name, run in model_runs.items()})
     optimizer = [f for f in as_flags(configs[""]) if f.split("=", 1)[0] in OPTIMIZER_FLAGS]
     key = _cache_key(devices) + "|probe|" + " ".join(sorted(optimizer))
     cache = _read_cache()
     found = dict(cache.get(key, {}))
     missing = [name for name in runs if name not in found]
-    for number, name in enumerate(missing, 1):
-        log(f"probe {number}/{len(missing)}: {name} (an mlp of "
+    timed = [name for name in missing if _probe_prefix(name) == TIMED_PROBE]
+    untimed = [name for name in missing if name not in timed]
+    numbers = {name: number for number, name in enumerate(timed + untimed, 1)}
+
+    def measure_one(name):
+        log(f"probe {numbers[name]}/{len(missing)}: {name} (an mlp of "
             f"{'many operations' if name.startswith('graph ') else '16 MiB'}; cached for "
             "this host)")
-        result = trials_lib.run([as_flags(runs[name])], timeout=timeout, work_dir=work_dir)
+        return trials_lib.run([as_flags(runs[name])], timeout=trials_lib.LONGEST_S,
+                              work_dir=work_dir)
+
+    results = {name: measure_one(name) for name in timed}   # one at a time: their rates
+    with concurrent.futures.ThreadPoolExecutor(_at_once()) as pool:
+        results.update(zip(untimed, pool.map(measure_one, untimed)))
+    for name in missing:
+        result = results[name]
         if result.ok:
             found[name] = {"peak": result.peaks[0], "rate": result.examples_per_sec}
         else:
@@ -283,14 +310,22 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     return dataclasses.replace(probes[""], graph=probes["graph "])
 
 
+def _at_once() -> int:
+    return max(1, min(UNTIMED_AT_ONCE, len(os.sched_getaffinity(0))))
+
+
+def _probe_prefix(name: str) -> str:
+    """The `PROBE_MODELS` prefix a probe run's name starts with (the longest)."""
+    return max((p for p in PROBE_MODELS if name.startswith(p)), key=len)
+
+
 def _measured_probe(prefix: str, probe_config: RunConfig, found: dict) -> Optional[Probe]:
     """The probe model of `PROBE_MODELS[prefix]` from its measured runs in
     `found` (name -> peak and rate), or None without its one-device run."""
     from tfdist.data.inputs import of_run as inputs_of_run
     from tfdist.planner import profile
     own = {name[len(prefix):]: r for name, r in found.items()
-           if name.startswith(prefix) and not any(
-               name.startswith(p) for p in PROBE_MODELS if len(p) > len(prefix))}
+           if _probe_prefix(name) == prefix}
     if strategies.REFERENCE not in own:
         return None
     reference = {1: own.pop(strategies.REFERENCE)}
@@ -305,30 +340,40 @@ def _measured_probe(prefix: str, probe_config: RunConfig, found: dict) -> Option
         reference_peaks={accum: r["peak"] for accum, r in reference.items() if accum > 1})
 
 
-def _probe_runs(wanted: dict, config: RunConfig, shape: dict) -> tuple:
+def _probe_runs(wanted: dict, config: RunConfig, shape: dict, timed: bool = True) -> tuple:
     """(A probe model's RunConfig, name -> the RunConfig of each probe run):
     an mlp of `shape` on synthetic data, with the run's optimizer (an
-    update's temporaries are its own), the loops of the tiny runs; one
-    device at each number of micro-batches too."""
+    update's temporaries are its own), in two loops of `_probe_loop` steps
+    (the shortest where the rates are not `timed`); one device at each
+    number of micro-batches too."""
     from tfdist.config import DataConfig, ModelConfig, TrainConfig
     from tfdist.planner import search as search_lib
     probe_config = RunConfig(
         model=ModelConfig(name="mlp", **shape), data=DataConfig(synthetic=True),
         optimizer=config.optimizer,
-        train=TrainConfig(global_batch_size=32, train_steps=200, steps_per_loop=100,
-                          jit_compile="off"))
-    runs = {strategies.REFERENCE: search_lib.apply(probe_config, strategies.REFERENCE,
-                                                   {"virtual_devices": 1})}
+        train=TrainConfig(global_batch_size=32, train_steps=2 * PROBE_LOOP_STEPS,
+                          steps_per_loop=PROBE_LOOP_STEPS, jit_compile="off"))
+
+    def apply(engine, options):
+        loop = _probe_loop(options.get("accum_steps", 1)) if timed else PROBE_MIN_LOOP_STEPS
+        return search_lib.apply(probe_config, engine,
+                                {**options, "train_steps": 2 * loop, "steps_per_loop": loop})
+
+    runs = {strategies.REFERENCE: apply(strategies.REFERENCE, {"virtual_devices": 1})}
     for engine, variants in wanted.items():
         for variant, options in variants.items():
-            runs[f"{engine} {variant}"] = search_lib.apply(probe_config, engine, options)
+            runs[f"{engine} {variant}"] = apply(engine, options)
     # One device at each number of micro-batches a probe runs: what a
     # further micro-batch costs there, which an engine's costs are a multiple of.
     for accum in sorted({o.get("accum_steps", 1) for v in wanted.values() for o in v.values()}
                         - {1}):
-        runs[f"{strategies.REFERENCE} accum{accum}"] = search_lib.apply(
-            probe_config, strategies.REFERENCE, {"virtual_devices": 1, "accum_steps": accum})
+        runs[f"{strategies.REFERENCE} accum{accum}"] = apply(
+            strategies.REFERENCE, {"virtual_devices": 1, "accum_steps": accum})
     return probe_config, runs
+
+
+def _probe_loop(accum: int) -> int:
+    return max(PROBE_MIN_LOOP_STEPS, PROBE_LOOP_STEPS // max(1, accum))
 
 
 # The probe's flags its cache entry is keyed by (what an update holds).

@@ -27,7 +27,8 @@ def main(argv: list[str]) -> int:
         logging.set_verbosity(logging.INFO)   # the planner's progress, as tfdist-train's
         choice = auto.choose_here(
             config, **functions.resolved(request["functions"]), options=request["options"],
-            log=lambda line: logging.info("--strategy=auto: %s", line))
+            log=lambda line: logging.info("--strategy=auto: %s", line),
+            progress=request.get("progress"))
         answer, status = dataclasses.asdict(choice), 0
     except UsageError as error:
         answer, status = {"error": str(error)}, 2

@@ -23,6 +23,12 @@ from tfdist.errors import UsageError
 from tfdist.strategies import records
 
 
+# The bound of the longest process the planner starts, besides calibration's
+# (half the search's seconds): a probe (the slowest, the 24-layer mlp at
+# ZeRO-3 in 8 micro-batches, took 97 s alone on 2 cores); a trial's is lower.
+LONGEST_S = 300.0
+
+
 @dataclasses.dataclass
 class TrialResult:
     ok: bool
