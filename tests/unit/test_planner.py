@@ -630,6 +630,45 @@ def test_each_family_runtime_is_measured_with_its_own_processes(tmp_path, monkey
     assert found == {"default": 5e8, "multi_worker": 6e8}
 
 
+def test_probes_whose_rates_are_read_run_alone_and_the_rest_two_at_a_time(
+        tmp_path, monkeypatch):
+    """The 16 MiB probe's runs (their step times are read) run one at a
+    time, in loops of 100 steps over their micro-batches (at least 25); the
+    24-layer probe's (peaks only) two at a time, in loops of 25, the most
+    micro-batches first. The control: the timed ones never overlapped."""
+    import threading
+    import time
+    from tfdist.planner import calibrate, trials as trials_lib
+    monkeypatch.setenv("TFDIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_at_once", lambda: 2)
+    lock, running, log = threading.Lock(), [], []
+
+    def run(runs, **kwargs):
+        values = dict(f[2:].split("=", 1) for f in runs[0] if "=" in f)
+        graph = values["model_depth"] == "24"
+        with lock:
+            running.append(graph)
+            log.append((graph, len(running), int(values["accum_steps"]),
+                        int(values["steps_per_loop"]), int(values["train_steps"])))
+        time.sleep(0.05)
+        with lock:
+            running.remove(graph)
+        return trials_lib.TrialResult(ok=True, reason="", seconds=0.1,
+                                      runs=[{"examples_per_sec": 100.0}], peaks=[4e8])
+    monkeypatch.setattr(trials_lib, "run", run)
+    wanted = {"dtensor": search.cost_model(strategies.engine("dtensor")).probes(2)}
+    probe = calibrate.probe(wanted, 2, run_config(batch=32), lambda line: None, None)
+    timed, untimed = [e for e in log if not e[0]], [e for e in log if e[0]]
+    assert len(timed) == len(untimed) == 10 and log.index(untimed[0]) == len(timed)
+    assert all(alone == 1 for _, alone, *_ in timed)               # never beside another
+    assert max(beside for _, beside, *_ in untimed) == 2            # two at a time
+    assert {(accum, loop, steps) for _, _, accum, loop, steps in timed} == {
+        (1, 100, 200), (8, 25, 50)}
+    assert {(loop, steps) for *_, loop, steps in untimed} == {(25, 50)}
+    assert [accum for _, _, accum, *_ in untimed[:5]] == [8] * 5    # the longest first
+    assert probe is not None and probe.graph is not None
+
+
 def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monkeypatch):
     """Calibration runs the larger batch whole and in 8 micro-batches, with
     and without XLA; each further one costs a seventh of the difference, per

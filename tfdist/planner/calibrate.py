@@ -279,6 +279,28 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     cache = _read_cache()
     found = dict(cache.get(key, {}))
     missing = [name for name in runs if name not in found]
+    results = _measure_probes(runs, missing, log, work_dir)
+    for name in missing:
+        result = results[name]
+        if result.ok:
+            found[name] = {"peak": result.peaks[0], "rate": result.examples_per_sec}
+        else:
+            log(f"  the probe {name} could not be measured ({result.reason}); its engine's "
+                "candidates are predicted without it")
+    if missing:
+        cache[key] = found
+        _write_cache(cache)
+    probes = {prefix: _measured_probe(prefix, probe_config, found)
+              for prefix, probe_config in configs.items()}
+    if probes[""] is None:
+        return None
+    return dataclasses.replace(probes[""], graph=probes["graph "])
+
+
+def _measure_probes(runs: dict, missing: list, log: Callable,
+                    work_dir: Optional[str]) -> dict:
+    """name -> TrialResult of each of `missing` (names of `runs`): those whose
+    rates are read one at a time, then the rest `_at_once()` at a time."""
     timed = [name for name in missing if _probe_prefix(name) == TIMED_PROBE]
     # The longest first (most micro-batches, then the highest ZeRO stage: the
     # 24-layer mlp at ZeRO-3 in 8 took 97 s alone), so that none runs alone last.
@@ -296,21 +318,7 @@ def probe(wanted: dict, devices: int, config: RunConfig, log: Callable,
     results = {name: measure_one(name) for name in timed}   # one at a time: their rates
     with concurrent.futures.ThreadPoolExecutor(_at_once()) as pool:
         results.update(zip(untimed, pool.map(measure_one, untimed)))
-    for name in missing:
-        result = results[name]
-        if result.ok:
-            found[name] = {"peak": result.peaks[0], "rate": result.examples_per_sec}
-        else:
-            log(f"  the probe {name} could not be measured ({result.reason}); its engine's "
-                "candidates are predicted without it")
-    if missing:
-        cache[key] = found
-        _write_cache(cache)
-    probes = {prefix: _measured_probe(prefix, probe_config, found)
-              for prefix, probe_config in configs.items()}
-    if probes[""] is None:
-        return None
-    return dataclasses.replace(probes[""], graph=probes["graph "])
+    return results
 
 
 def _at_once() -> int:
