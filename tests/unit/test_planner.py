@@ -583,6 +583,27 @@ def test_a_tensor_parallel_mesh_over_hosts_sums_its_activations_over_the_link(fa
             > 10 * within.time["tensor-parallel exchanges"])
 
 
+def test_each_family_runtime_adds_its_measured_step_floor(facts):
+    """What a tiny model's step costs under an engine family beyond one
+    device's is a term of every candidate of that family (a small model's
+    step under mirrored or dtensor is mostly that), none of one device's;
+    the control: without the tiny runs' step times, no such term."""
+    floors = {"default": 0.001, "mirrored": 0.003, "dtensor": 0.0045}
+    timed = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, step_floors=floors))
+    term = "runtime per step (its family's, measured)"
+    options = {"precision": "float32", "jit_compile": "off", "accum_steps": 1}
+    for engine, extra in (("mirrored", 0.002), ("dtensor", 0.0035), ("default", None)):
+        cost = search.cost_model(strategies.engine(engine))
+        chosen = {**options, **next(iter(cost.candidates(timed)))}
+        if engine == "dtensor":
+            chosen.update(zero_stage=0)
+        with_floor, without = (search.estimate(cost, f, chosen) for f in (timed, facts))
+        assert with_floor.time.get(term) == (pytest.approx(extra) if extra else None), engine
+        assert term not in without.time
+        assert with_floor.step_seconds == pytest.approx(without.step_seconds + (extra or 0))
+
+
 def test_over_hosts_a_trial_measures_the_computation_and_the_link_is_added(facts):
     """A trial runs every process on this host: the rate expected on the
     cluster is its computation as measured (against the trial's own
@@ -617,17 +638,24 @@ def test_each_family_runtime_is_measured_with_its_own_processes(tmp_path, monkey
     def run(runs, processes=1, **kwargs):
         family = next(f.split("=")[1] for f in runs[0] if f.startswith("--strategy="))
         started[family] = processes
-        return trials_lib.TrialResult(ok=True, reason="", seconds=1.0, runs=[],
+        return trials_lib.TrialResult(ok=True, reason="", seconds=1.0,
+                                      runs=[{"examples_per_sec": 3200.0 / processes}],
                                       peaks=[5e8, 6e8][:processes])
     monkeypatch.setattr(trials_lib, "run", run)
     families = {}
     for engine in ("default", "multi_worker"):
         cost = search.cost_model(strategies.engine(engine))
         families[cost.family] = (cost.runtime_flags(2), getattr(cost, "runtime_processes", 1))
-    found = calibrate.baselines(families, 2, run_config(batch=32), "image", {},
-                                lambda line: None, None, 60.0)
+    found, steps = calibrate.baselines(families, 2, run_config(batch=32), "image", {},
+                                       lambda line: None, None, 60.0)
     assert started == {"default": 1, "multi_worker": 2}
     assert found == {"default": 5e8, "multi_worker": 6e8}
+    # Its step at the tiny run's batch (32): 10 ms on one device, 20 under multi_worker.
+    assert steps == pytest.approx({"default": 0.01, "multi_worker": 0.02})
+    started.clear()   # cached: measured once per host
+    assert calibrate.baselines(families, 2, run_config(batch=32), "image", {},
+                               lambda line: None, None, 60.0) == (found, steps)
+    assert not started
 
 
 def test_probes_whose_rates_are_read_run_alone_and_the_rest_two_at_a_time(

@@ -302,9 +302,9 @@ def _measured_facts(config, host, model_fn, dataset_fn, spec, layout_rules, func
                                     buffer_bytes=reads.buffer_bytes)
     host_started = time.monotonic()
     families = runtime_families(reads)
-    calibration.baselines = calibrate.baselines(families, host.devices, config,
-                                                inputs.spec.kind, functions, log, scratch,
-                                                timeout=120.0)
+    calibration.baselines, calibration.step_floors = calibrate.baselines(
+        families, host.devices, config, inputs.spec.kind, functions, log, scratch,
+        timeout=120.0)
     probes = {engine.name: search_lib.cost_model(engine).probes(host.devices)
               for engine in strategies.engines()
               if hasattr(search_lib.cost_model(engine), "probes")}

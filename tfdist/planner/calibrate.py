@@ -28,7 +28,8 @@ CACHE_VERSION = 7
 # flat; one device's not at all), and a trial's loop is about as long. Without
 # XLA: `--jit_compile=auto` compiles one engine's step and not another's, and
 # the compilation's bytes (measured per model) would pass for the runtime's.
-LOOPS = ["--global_batch_size=32", "--train_steps=200", "--steps_per_loop=100",
+TINY_BATCH = 32
+LOOPS = [f"--global_batch_size={TINY_BATCH}", "--train_steps=200", "--steps_per_loop=100",
          "--jit_compile=off"]
 TINY = ["--model_width=16", "--model_depth=2", "--num_heads=2", *LOOPS]
 # The tiny model for a kind of data: the run's own data, so the family's
@@ -211,16 +212,17 @@ def _tiny(config: RunConfig, kind: str, functions: dict) -> tuple:
 
 
 def baselines(families: dict, devices: int, config: RunConfig, kind: str, functions: dict,
-              log: Callable, work_dir: Optional[str], timeout: float) -> dict:
-    """family -> peak resident bytes of a tiny model on the run's data under it
-    (cached per host, versions and data); `families`: family -> (its engine's
-    flags for the tiny run, the processes it starts)."""
+              log: Callable, work_dir: Optional[str], timeout: float) -> tuple:
+    """(family -> peak resident bytes, family -> seconds per step) of a tiny
+    model on the run's data under each family (cached per host, versions
+    and data); `families`: family -> (its engine's flags for the tiny run,
+    the processes it starts)."""
     tiny, tiny_functions = _tiny(config, kind, functions)
     data = (json.dumps(functions["dataset_fn"], sort_keys=True) if functions.get("dataset_fn")
             else " ".join(sorted(tiny)))
     key = _cache_key(devices) + "|" + data
     cache = _read_cache()
-    found = dict(cache.get(key, {}))
+    found = {f: m for f, m in cache.get(key, {}).items() if isinstance(m, dict)}
     missing = [f for f in families if f not in found]
     for family in missing:
         log(f"measuring the {family} engine's runtime (a tiny model; cached for this host)")
@@ -228,14 +230,17 @@ def baselines(families: dict, devices: int, config: RunConfig, kind: str, functi
         result = trials_lib.run([tiny + flags], processes=processes, functions=tiny_functions,
                                 timeout=timeout, work_dir=work_dir)
         if result.ok:
-            found[family] = max(result.peaks)
+            rate = result.examples_per_sec
+            found[family] = {"peak": max(result.peaks),
+                             "step": TINY_BATCH / rate if rate else None}
         else:
             log(f"  the {family} runtime could not be measured ({result.reason}); its "
                 "processes are predicted with the one-device runtime")
     if missing:
         cache[key] = found
         _write_cache(cache)
-    return found
+    return ({f: m["peak"] for f, m in found.items()},
+            {f: m["step"] for f, m in found.items() if m.get("step")})
 
 
 # -- the probes: what an engine holds per byte and per operation of the model ---------

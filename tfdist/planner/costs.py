@@ -1,22 +1,17 @@
 """What every engine's cost model shares: the facts a plan is made from and
 the formulas over them. No engine is named here; each engine states its own
-candidates and costs beside its adapter (`Engine.cost`), in these terms.
-
-A candidate's estimate is a sum of named terms, so `tfdist-plan --explain`
-can print it term by term:
-
-- memory, bytes of the largest process: the process's resident baseline for
-  the engine's family (TensorFlow, Keras, the input pipeline; measured), the
-  training state it holds (parameters, gradients, optimizer slots, an
-  accumulator; by layout, ZeRO stage and pipeline stage), activations
-  (bytes per example in flight, measured at two batch sizes on one device)
-  and transients (ZeRO-3's gathered layers);
-- time, seconds per step: the computation at the rate measured for this model
-  on this host (per precision and XLA setting), then what the engine adds
-  (reductions over an alpha-beta link model, a pipeline's bubble, ZeRO-3's
-  second forward pass). Trials then measure the best candidates, and each
+candidates and costs beside its adapter (`Engine.cost`), in these terms. An
+estimate is a sum of named terms (`tfdist-plan --explain` prints them):
+- memory, bytes of the largest process: the resident baseline of the
+  engine's family (TensorFlow, Keras, the input pipeline; measured), the
+  training state it holds (by layout, ZeRO stage and pipeline stage),
+  activations (measured at two batch sizes on one device) and transients;
+- time, seconds per step: the computation at the rate measured for this
+  model on this host (per precision and XLA setting), what the family's
+  runtime adds to every step (measured on a tiny model), then what the
+  engine adds (reductions over an alpha-beta link model, a pipeline's
+  bubble, ZeRO-3's second forward pass). Trials measure the best, and each
   engine's predictions are scaled by what its trials measured.
-
 No TensorFlow here: the formulas are plain arithmetic over `Facts`.
 """
 
@@ -100,11 +95,10 @@ class ModelFacts:
 class Probe:
     """The probe model (`calibrate.probe`) measured on one device and under
     engines' probe options: what an engine holds beyond its cost model's
-    terms, per byte of the model, where that is more than noise.
-
-    `peaks`: "<engine> <variant>" -> peak resident bytes; `reference`: the
-    one-device run's peak; `rates`: "<engine> <variant>" -> examples/s, and
-    the one-device runs' by micro-batches, `reference_rates`: accum -> examples/s."""
+    terms, per byte of the model, where that is more than noise. `peaks`:
+    "<engine> <variant>" -> peak resident bytes; `reference`: the one-device
+    run's peak; `rates`: "<engine> <variant>" -> examples/s, and the
+    one-device runs' by micro-batches, `reference_rates`: accum -> examples/s."""
 
     model: ModelFacts
     batch: int
@@ -112,9 +106,8 @@ class Probe:
     peaks: dict
     rates: dict = dataclasses.field(default_factory=dict)
     reference_rates: dict = dataclasses.field(default_factory=dict)
-    # The same runs of a second model of many operations and few bytes (a
-    # deep, narrow mlp), its peaks only: what an engine holds per operation
-    # of the step's graph, told apart from what it holds per byte.
+    # The same runs of a deep, narrow mlp (many operations, few bytes), its
+    # peaks only: what an engine holds per graph operation, not per byte.
     graph: Optional["Probe"] = None
     reference_peaks: dict = dataclasses.field(default_factory=dict)   # accum -> one device's
 
@@ -164,18 +157,20 @@ class OneDeviceRun:
 @dataclasses.dataclass
 class Calibration:
     """What was measured for this model on this host (`calibrate.py`).
-
     `points`: (batch, peak resident bytes) of the one-device float32 runs
     without XLA; `peaks16`: (batch, peak) of the mixed_bfloat16 run, if
     measured; `rates`: (precision, jit) -> examples/s at the larger batch;
     `baselines`: engine family -> the peak of a tiny model under it (what
-    the family's runtime costs beyond the one-device engine's); `times`:
+    the family's runtime costs beyond the one-device engine's), and
+    `step_floors`: its seconds per step (what a step costs there whatever
+    the model); `times`:
     (batch, seconds per step) of the two float32 runs; `runs`: those at the
     whole batch, the one-device candidates' measurements."""
 
     points: tuple                # (batch, peak less its shuffle buffer's bytes)
     rates: dict
     baselines: dict
+    step_floors: dict = dataclasses.field(default_factory=dict)
     peaks16: Optional[tuple] = None
     times: tuple = ()
     xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
@@ -313,13 +308,11 @@ class Facts:
         return max(0.0, t1 - per_example * b1)
 
     def concurrency(self, precision: str, devices: int) -> float:
-        """How much faster `devices` kept busy at once compute than one
-        device: at most the cores, and at most what the best one device (with
-        or without XLA) leaves of the host's matmul peak (a device at 40% of
-        it can gain at most 2.5x). The best, with XLA or without: a step slower
-        without XLA leaves the cores no idler, it uses them worse (measured,
-        2 virtual devices on 2 cores: XLA's gain under mirrored as on one
-        device, 1.38x and 1.45x, where the step's own rate would give 1.03x)."""
+        """How much faster `devices` kept busy at once compute than one:
+        at most the cores, and at most what the best one device (with or
+        without XLA: a slower step uses the cores worse, not less; measured,
+        XLA's gain on 2 virtual devices as on one, 1.38x and 1.45x) leaves of
+        the host's matmul peak (a device at 40% of it gains at most 2.5x)."""
         rate = max((r for (p, _), r in self.calibration.rates.items()
                     if p == precision and r), default=None)
         peak = self.host.peak_flops.get(precision)
@@ -333,6 +326,11 @@ class Facts:
         """`compute_seconds` for `devices` of one host working at once."""
         return (self.compute_seconds(examples, precision, jit)
                 / self.concurrency(precision, devices))
+
+    def runtime_step_seconds(self, family: str) -> float:
+        """A step's cost under `family`'s runtime beyond one device's (tiny models')."""
+        floors = self.calibration.step_floors
+        return max(0.0, floors.get(family, 0.0) - floors.get(REFERENCE, math.inf))
 
 
 def _link(facts: Facts, local: bool) -> tuple:
@@ -439,7 +437,8 @@ def probe_facts(facts: Facts, probe: Optional[Probe] = None) -> Facts:
         model=probe.model,
         calibration=Calibration(points=((batch, probe.reference), (2 * batch, probe.reference)),
                                 rates={("float32", "off"): rate} if rate else {},
-                                baselines=facts.calibration.baselines),
+                                baselines=facts.calibration.baselines,
+                                step_floors=facts.calibration.step_floors),
         host=dataclasses.replace(facts.host, processes=1, hosts=1), global_batch=batch)
 
 

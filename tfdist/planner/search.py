@@ -212,7 +212,7 @@ def _estimated(candidate: Candidate, model, facts: Facts) -> Candidate:
     if facts.rate(options["precision"], options["jit_compile"]) is None:
         candidate.dropped = "not measured on this host (no calibration run for it)"
         return candidate
-    candidate.estimate = model.estimate(facts, options)
+    candidate.estimate = estimate(model, facts, options)
     budget = facts.host.memory_budget
     if candidate.estimate.peak_bytes > budget:
         candidate.dropped = (f"predicted {candidate.estimate.peak_bytes / GiB:.2f} GiB per "
@@ -306,9 +306,19 @@ def adopt(candidates: list, facts: Facts) -> None:
 def _trial_estimate(facts: Facts, candidate: Candidate, reads: float) -> Estimate:
     """`candidate`'s estimate for a trial reading `reads` examples, every
     process on this host (what a trial runs)."""
-    return cost_model(strategies.engine(candidate.engine)).estimate(
-        dataclasses.replace(facts, examples_read=reads, host=facts.host.one_host()),
-        candidate.options)
+    return estimate(cost_model(strategies.engine(candidate.engine)),
+                    dataclasses.replace(facts, examples_read=reads, host=facts.host.one_host()),
+                    candidate.options)
+
+
+def estimate(cost, facts: Facts, options: dict) -> Estimate:
+    """`cost`'s estimate (an engine's cost model) with what every engine's
+    step shares: what its family's runtime adds to each step (measured)."""
+    found = cost.estimate(facts, options)
+    extra = facts.runtime_step_seconds(found.family)
+    if extra > 0:
+        found.time["runtime per step (its family's, measured)"] = extra
+    return found
 
 
 # A choice that changes the math wins only where it is this much faster than
