@@ -120,6 +120,27 @@ def test_a_worker_waits_while_the_chief_reports_progress_then_no_longer(tmp_path
     assert now[0] - 1000.0 <= 20
 
 
+def test_progress_written_from_two_threads_at_once_is_always_one_whole_line(tmp_path):
+    """The planner logs from the threads that run its probes: each write
+    goes through a temporary file of its own, so none fails and the file
+    always holds one whole line."""
+    path = str(tmp_path / "plans" / "k.json.progress")
+    failures, lines = [], [f"probe {i}/20: " + "x" * 200 for i in range(2)]
+
+    def write(line):
+        for _ in range(300):
+            try:
+                auto.write_text(path, line)
+            except OSError as error:
+                failures.append(error)
+    threads = [threading.Thread(target=write, args=(line,)) for line in lines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures and open(path).read() in lines
+
+
 def test_the_planning_process_is_waited_for_while_it_reports_progress(tmp_path):
     """`--strategy=auto` waits for its planning process as long as each
     line follows the last within the bound, however long the whole takes,

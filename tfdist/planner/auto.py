@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Optional
 
@@ -154,8 +155,10 @@ def write(path: str, record: dict) -> None:
 
 
 def write_text(path: str, text: str) -> None:
+    """Atomically; each thread through a temporary file of its own (the
+    planner logs from the threads that run its probes)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(temporary, "w") as f:
         f.write(text)
     os.replace(temporary, path)
