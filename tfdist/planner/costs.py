@@ -437,8 +437,7 @@ def probe_facts(facts: Facts, probe: Optional[Probe] = None) -> Facts:
         model=probe.model,
         calibration=Calibration(points=((batch, probe.reference), (2 * batch, probe.reference)),
                                 rates={("float32", "off"): rate} if rate else {},
-                                baselines=facts.calibration.baselines,
-                                step_floors=facts.calibration.step_floors),
+                                baselines=facts.calibration.baselines),
         host=dataclasses.replace(facts.host, processes=1, hosts=1), global_batch=batch)
 
 
