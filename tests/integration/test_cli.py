@@ -67,6 +67,11 @@ def _after_start_up_cases(a_file, data_dir):
         ([f"--data_dir={a_file}"], f"--dataset=tfdist_shapes: cannot"),
         (["--model=transformer", f"--data_dir={data_dir}"],
          "--model=transformer needs a dataset of kind tokens"),
+        # A size TensorFlow cannot hold (tests/unit/test_fuzz.py draws such flags).
+        ([f"--global_batch_size={2**62}", f"--data_dir={data_dir}",
+          f"--model_dir={a_file.parent / 'huge_batch_run'}"],
+         f"--global_batch_size={2**62} is larger than the 12000 training examples of "
+         "tfdist_shapes"),
         (["--strategy=mirrored", "--elastic", f"--data_dir={data_dir}"],
          "--elastic: --strategy=mirrored cannot change its number of workers during a run; "
          "--strategy=horovod under an elastic horovodrun"),
@@ -108,9 +113,12 @@ def cli_runs(tmp_path_factory, data_dir):
     clean = {
         "summary": QUICK + [f"--data_dir={data_dir}", f"--model_dir={root / 'summary_run'}",
                             "--strategy=mirrored"],
+        # With a shuffle buffer larger than TensorFlow can hold: capped at
+        # the split's size, it runs.
         "loss_and_metrics": [*QUICK, "--strategy=default", f"--data_dir={data_dir}",
                              "--loss=categorical_crossentropy", "--label_smoothing=0.1",
-                             "--metrics=accuracy,top5_accuracy,crossentropy"],
+                             "--metrics=accuracy,top5_accuracy,crossentropy",
+                             f"--shuffle_buffer={2**63 - 1}"],
     }
     procs = start_all([tfdist_train(args) for args in clean.values()])
     try:
@@ -125,7 +133,7 @@ def cli_runs(tmp_path_factory, data_dir):
 
 def test_errors_found_after_start_up_exit_2(cli_runs):
     """Errors that need the engine or the data: each before any training step."""
-    assert len(cli_runs["errors"]) == 11
+    assert len(cli_runs["errors"]) == 12
     for (args, message), result in cli_runs["errors"]:
         assert result.returncode == 2, (args, result.stderr[-2000:])
         error_lines = [l for l in result.stderr.splitlines() if "error:" in l]
@@ -134,6 +142,8 @@ def test_errors_found_after_start_up_exit_2(cli_runs):
         assert "step 1/" not in result.stderr  # nothing trained
     assert cli_runs["a_file"].read_text() == "not a directory"  # nothing on disk was touched
     assert not os.listdir(cli_runs["root"] / "powersgd_run")   # no run record either
+    huge = cli_runs["root"] / "huge_batch_run"
+    assert not huge.exists() or not os.listdir(huge)
 
 
 def test_virtual_devices_after_runtime_start_is_a_usage_error():

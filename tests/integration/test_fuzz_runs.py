@@ -93,31 +93,3 @@ def test_fuzzed_cli_runs_or_exits_2_in_one_line_writing_nothing(tmp_path, data_d
         assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: "), what
         assert not model_dir.exists() or not any(model_dir.iterdir()), (
             what, sorted(p.name for p in model_dir.iterdir()))
-
-
-SIZES = [f"--global_batch_size={2**62}", f"--shuffle_buffer={2**63 - 1}"]
-
-
-@pytest.fixture(scope="module")
-def size_runs(tmp_path_factory, data_dir):
-    """Both size cases at once ({extra flag: (result, model_dir)}), each its own process."""
-    root = tmp_path_factory.mktemp("sizes")
-    model_dirs = [root / f"run{i}" / "model" for i in range(len(SIZES))]
-    results = run_clis([["--strategy=default", "--model=mlp", "--model_width=4",
-                         "--model_depth=1", "--train_steps=1", "--steps_per_loop=1",
-                         "--jit_compile=off", f"--data_dir={data_dir}",
-                         f"--model_dir={model_dir}", extra]
-                        for model_dir, extra in zip(model_dirs, SIZES)], timeout=120)
-    return dict(zip(SIZES, zip(results, model_dirs)))
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("extra", SIZES)
-def test_sizes_tensorflow_cannot_hold_exit_2(size_runs, extra):
-    result, model_dir = size_runs[extra]
-    if extra.startswith("--shuffle_buffer"):   # capped at the split's size: it runs
-        assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
-        return
-    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-    assert not model_dir.exists() or not any(model_dir.iterdir())
