@@ -59,10 +59,21 @@ runs on:
     off 2861 / 1947 and 2998 / 2396 for an mlp of 1M-element kernels), and
     models of small matrices keep the step under mirrored too (the
     transformer, step / off: 1373 / 1015 on the Zen 5, 724 / 587 on AMX);
-  - `optimizer` for float32 models whose FLOPs are mostly convolutions
-    (XLA's CPU convolutions were slower than oneDNN's: the cnn 1061 vs 1277
-    examples/s under the default strategy; 2545 optimizer vs 2479 off vs
-    1755 step on the EPYC);
+  - `off` for models whose FLOPs are mostly convolutions (above
+    CONVOLUTION_SHARE), in float32 and in native bf16, unless half their
+    parameters sit in large matrices (then `optimizer`, the memory-bound
+    update fused, as for the mlp below): XLA's CPU convolutions are slower
+    than oneDNN's (the cnn 1061 vs 1277 examples/s under the default
+    strategy), and with the fused BatchNorm the per-variable fused update
+    (one XLA launch per small variable, per replica) no longer pays.
+    bench/vs_fit.py, the cnn, off / optimizer examples/s, float32 default,
+    float32 mirrored, bf16 default: AMX Xeon (medians of 3) 1740 / 1669,
+    1730 / 1664, 2999 / 2814; Zen 5 EPYC (family 26 model 2) 3099 / 2750,
+    2756 / 2846, 4572 / 3794; Zen 4 EPYC (family 25 model 17) 1212 / 1221,
+    1565 / 1300, 1887 / 1925. `off` is within 4% of the better of the two
+    in every cell, `optimizer` fell 6-17% short in four of the nine (before
+    the fused BatchNorm, `optimizer` had led by 2-9% on an AVX512-BF16 EPYC:
+    2545 vs 2479 off in float32, 2447 vs 2336 and 2310 vs 2122 in bf16);
   - `optimizer` with --reduce_bucket_mb under replicated engines: one XLA
     cluster for the gradients would produce them all at once, so no bucket
     could overlap the backward pass (without buckets, `step` won for the
@@ -80,9 +91,8 @@ runs on:
     at width 128, 64K-element kernels at most; the cnn, 37K) get XLA's
     fusion of their element-wise ops under the default strategy (`step`:
     transformer on AMX 621 step / 585 off / 581 optimizer, and 653 / 607 /
-    605 in an earlier run; on the AMD EPYC 1033 / 1057 / 1082, a tie), or
-    the fused update where convolutions dominate (cnn on AMX 3050 optimizer
-    / 3008 off / 1140 step), and plain TensorFlow under replicated engines,
+    605 in an earlier run; on the AMD EPYC 1033 / 1057 / 1082, a tie), plain
+    TensorFlow where convolutions dominate (above), and under replicated engines,
     where each replica's per-variable update is its own XLA launch
     (mirrored over two virtual CPUs: transformer on AMX 682 off / 632
     optimizer / 635 step, 707 / 650 / 685 earlier, on the EPYC 988 off /
@@ -133,12 +143,14 @@ def auto_level(precision: str, whole_step: bool = True, convolution_share: float
             bf16 == "AMX" or (bf16 == "AVX-512" and hardware.cpu_vendor() == "AMD")):
         if large_share >= 0.5:
             return OPTIMIZER   # native bf16 matmuls in oneDNN, the memory-bound update fused
-        if not whole_step:
-            return OFF         # a per-variable XLA launch per replica costs more than it fuses
-        return OPTIMIZER if convolution_share > CONVOLUTION_SHARE else STEP
+        if not whole_step or convolution_share > CONVOLUTION_SHARE:
+            return OFF   # per-variable XLA launches of small variables cost more than they fuse
+        return STEP
     if precision != "float32":
         return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
-    if convolution_share > CONVOLUTION_SHARE or (buckets and not whole_step):
+    if convolution_share > CONVOLUTION_SHARE:
+        return OPTIMIZER if large_share >= 0.5 else OFF   # oneDNN's convolutions
+    if buckets and not whole_step:
         return OPTIMIZER
     if shared_replicas > 1 and large_share >= 0.5:
         return OFF   # compiled steps of replicas sharing the cores lost to oneDNN's
