@@ -185,6 +185,7 @@ def test_auto_picks_by_precision_and_isa(monkeypatch):
     monkeypatch.setattr(hardware, "bf16_support", lambda: "AVX-512")
     monkeypatch.setattr(hardware, "cpu_vendor", lambda: "AMD")
     assert xla.auto_level("mixed_bfloat16") == xla.OPTIMIZER   # an mlp
+    assert xla.auto_level("mixed_bfloat16", **small) == xla.OFF   # a small transformer
     assert xla.auto_level("mixed_bfloat16", convolution_share=0.9, **small) == xla.OFF  # a cnn
     assert xla.auto_level("mixed_bfloat16", whole_step=False, **small) == xla.OFF
     assert xla.auto_level("float32", convolution_share=0.9, **small) == xla.OFF

@@ -88,11 +88,15 @@ runs on:
     large matrices (at least half in variables of LARGE_VARIABLE elements or
     more: the mlp, 4M-element kernels), where the update is memory-bound and
     oneDNN's bf16 dots beat XLA's; models of small matrices (the transformer
-    at width 128, 64K-element kernels at most; the cnn, 37K) get XLA's
-    fusion of their element-wise ops under the default strategy (`step`:
-    transformer on AMX 621 step / 585 off / 581 optimizer, and 653 / 607 /
-    605 in an earlier run; on the AMD EPYC 1033 / 1057 / 1082, a tie), plain
-    TensorFlow where convolutions dominate (above), and under replicated engines,
+    at width 128, 64K-element kernels at most; the cnn, 37K) get, on AMX,
+    XLA's fusion of their element-wise ops under the default strategy
+    (`step`: transformer on AMX 621 step / 585 off / 581 optimizer, and 653
+    / 607 / 605 in an earlier run), and plain TensorFlow on AMD's
+    AVX512-BF16, where `step` at best tied (transformer, step / off: 1033 /
+    1057 and 1091 / 1116 on an earlier AVX512-BF16 EPYC, 1026 / 1013
+    on the Zen 5, 431 / 537 and 593 / 685 on the Zen 4 EPYC family 25 model
+    17); plain TensorFlow where convolutions dominate (above), and under
+    replicated engines,
     where each replica's per-variable update is its own XLA launch
     (mirrored over two virtual CPUs: transformer on AMX 682 off / 632
     optimizer / 635 step, 707 / 650 / 685 earlier, on the EPYC 988 off /
@@ -143,9 +147,9 @@ def auto_level(precision: str, whole_step: bool = True, convolution_share: float
             bf16 == "AMX" or (bf16 == "AVX-512" and hardware.cpu_vendor() == "AMD")):
         if large_share >= 0.5:
             return OPTIMIZER   # native bf16 matmuls in oneDNN, the memory-bound update fused
-        if not whole_step or convolution_share > CONVOLUTION_SHARE:
-            return OFF   # per-variable XLA launches of small variables cost more than they fuse
-        return STEP
+        if bf16 == "AMX" and whole_step and convolution_share <= CONVOLUTION_SHARE:
+            return STEP   # XLA's fusion of the element-wise ops around small AMX dots
+        return OFF   # per-variable XLA launches of small variables cost more than they fuse
     if precision != "float32":
         return STEP   # XLA's float32 dots and convolutions beat emulated 16-bit kernels
     if convolution_share > CONVOLUTION_SHARE:
