@@ -206,9 +206,11 @@ def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(fact
                                     None, 60.0, lambda examples: 0.0)
     assert {(r.options["jit_compile"], r.options["accum_steps"], r.peak)
             for r in calibration.runs} == {("off", 1, 2**29), ("off", 8, None),
-                                           ("on", 8, 2**29), ("on", 1, None)}
-    # XLA's micro-batches ran first in their process: their peak is their own.
-    assert calibration.xla_micro == (4, 2**29)
+                                           ("on", 8, 2**29), ("on", 2, None),
+                                           ("on", 1, None)}
+    # XLA's micro-batches ran first in their process, the smaller first: each
+    # peak is its own (the record's peak so far, larger after smaller).
+    assert calibration.xla_programs == ((4, 2**29), (16, 2**29 + 1))
     assert all("--virtual_devices=1" in f and "--strategy=default" in f for f in flags_seen)
 
     def firsts(runs):
@@ -219,7 +221,7 @@ def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(fact
         return [c for c in candidates if c.calibrated], search.first_trials(candidates)
 
     adopted, first = firsts(calibration.runs)
-    assert len(adopted) == 4 and all(c.engine == "default" for c in adopted)
+    assert len(adopted) == 5 and all(c.engine == "default" for c in adopted)
     assert {c.measured_peak() for c in adopted} == {2**29, None}
     assert first and "default" not in {c.engine for c in first}
     adopted, first = firsts([])
@@ -378,33 +380,101 @@ def test_a_micro_batch_loop_holds_a_second_graph_on_each_replica(facts):
     assert term(facts, "default") == 0.0
 
 
-def test_compiled_micro_batches_hold_what_their_own_run_measured(facts):
-    """With micro-batches, each compiled, XLA's bytes are what the run in
-    micro-batches measured beyond the plain run's predicted peak at that
-    micro-batch, not the whole step's; the controls: one micro-batch, or no
-    such run, take the whole step's."""
+def test_pipeline_micro_batches_hold_what_its_probes_measured_beyond_the_schedule(facts):
+    """What the pipeline's probes (two stages, 1F1B, at the fewest and the
+    most micro-batches) held beyond the schedule's activations, per further
+    micro-batch, fitted per operation of a micro-batch's graph (the probe of
+    many operations) and per parameter byte (the probe of few), scales to a
+    candidate by its micro-batches; the controls: no probe, or the probes
+    holding nothing beyond the terms, add nothing."""
+    from tfdist.strategies.pipeline import cost as pipeline_cost
+    cost = search.cost_model(strategies.engine("pipeline"))
+    per_op, per_byte = 2e5, 0.5     # bytes per further micro-batch
+    graph_model = dataclasses.replace(facts.model, variables=facts.model.variables[:2],
+                                      step_ops=334)
+    bare = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, probe=costs.Probe(
+            model=dataclasses.replace(facts.model, step_ops=20), batch=8, reference=600e6,
+            peaks={}, graph=costs.Probe(model=graph_model, batch=8, reference=500e6,
+                                        peaks={}))))
+
+    def peaks(probe, extra: bool):
+        found = {}
+        for variant, options in cost.probes(facts.host.devices).items():
+            one = dataclasses.replace(probe, peaks={f"pipeline {variant}": 0.0})
+            model = probe.model
+            found[f"pipeline {variant}"] = (
+                -costs.probe_residual(bare, cost, "pipeline", variant, options, one)
+                + extra * (options["accum_steps"] - 1) * (per_op * model.step_ops
+                                                          + per_byte * model.param_bytes))
+        return found
+
+    def probed(extra: bool):
+        probe = bare.calibration.probe
+        return dataclasses.replace(bare, calibration=dataclasses.replace(
+            bare.calibration, probe=dataclasses.replace(
+                probe, peaks=peaks(probe, extra),
+                graph=dataclasses.replace(probe.graph, peaks=peaks(probe.graph, extra)))))
+
+    def term(f, accum, chunks=1, schedule="1f1b"):
+        options = {"pipeline_stages": 2, "pipeline_chunks": chunks,
+                   "pipeline_schedule": schedule, "accum_steps": accum, "zero_stage": 0,
+                   "virtual_devices": 4, "precision": "float32", "jit_compile": "off"}
+        return cost.estimate(f, options).memory.get("further micro-batches (probed)", 0.0)
+
+    assert set(cost.probes(4)) == {f"1f1b accum{m}" for m in pipeline_cost.PROBED}
+    measured = probed(True)
+    model = facts.model
+    replicas = 2                        # 4 devices over 2 stages, all in this process
+    for accum in (2, 4, 8):
+        assert term(measured, accum) == pytest.approx(
+            replicas * (accum - 1) * (per_op * model.step_ops + per_byte * model.param_bytes),
+            rel=1e-6)
+    assert term(measured, 8, schedule="gpipe") == pytest.approx(term(measured, 8))
+    assert term(probed(False), 8) == pytest.approx(0.0, abs=1.0)
+    assert term(facts, 8) == 0.0
+
+
+def test_compiled_programs_hold_what_their_own_runs_measured(facts):
+    """Where a compiled program holds no update (micro-batches; replicas whose
+    gradients are summed between), XLA's bytes are a fixed part per program
+    and a part per example in flight, the line through the compiled
+    micro-batch runs beyond the plain runs' predictions; one device's whole
+    step (the update compiled with it) keeps the whole step's measurement.
+    The controls: one run measured, all of it fixed; none, the whole step's."""
     cost = search.cost_model(strategies.engine("default"))
+    mirrored = search.cost_model(strategies.engine("mirrored"))
     calibration = dataclasses.replace(facts.calibration, xla_bytes=400e6)
-    micro = 4
-    plain = (calibration.intercept() + calibration.slope() * micro
-             + facts.model.trainable_bytes)
+
+    def plain(micro):
+        return (calibration.intercept() + calibration.slope() * micro
+                + facts.model.trainable_bytes)
+    batch = facts.global_batch
+    small, large = batch // 8, batch // 2
+    # 100 MB per program, less 0.5 MB per example (XLA's activations below plain TF's)
+    fixed, per_example = 100e6, -0.5e6
     measured = dataclasses.replace(facts, calibration=dataclasses.replace(
-        calibration, xla_micro=(micro, plain + 90e6)))
+        calibration, xla_programs=((small, plain(small) + fixed + per_example * small),
+                                   (large, plain(large) + fixed + per_example * large))))
+    one_run = dataclasses.replace(facts, calibration=dataclasses.replace(
+        calibration, xla_programs=((small, plain(small) + 90e6),)))
     unmeasured = dataclasses.replace(facts, calibration=calibration)
 
-    def xla(f, accum):
-        options = {"virtual_devices": 1, "precision": "float32", "jit_compile": "on",
+    def xla(model, f, accum, devices=1):
+        options = {"virtual_devices": devices, "precision": "float32", "jit_compile": "on",
                    "accum_steps": accum}
-        return cost.estimate(f, options).memory["XLA compilation"]
+        return model.estimate(f, options).memory.get("XLA compilation", 0.0)
 
-    assert xla(measured, 2) == pytest.approx(90e6)
-    assert xla(measured, 8) == pytest.approx(90e6)
-    assert xla(measured, 1) == pytest.approx(400e6)
-    assert xla(unmeasured, 2) == pytest.approx(400e6)
-    mirrored = search.cost_model(strategies.engine("mirrored"))   # each replica its buffers
-    assert mirrored.estimate(measured, {"virtual_devices": 4, "precision": "float32",
-                                        "jit_compile": "on", "accum_steps": 2}
-                             ).memory["XLA compilation"] == pytest.approx(4 * 90e6)
+    for accum in (2, 8):
+        assert xla(cost, measured, accum) == pytest.approx(fixed + per_example * batch / accum)
+        assert xla(cost, one_run, accum) == pytest.approx(90e6)
+        assert xla(cost, unmeasured, accum) == pytest.approx(400e6)
+    assert xla(cost, measured, 1) == pytest.approx(400e6)    # the update compiled with it
+    # Mirrored: each replica's program its fixed part, the examples of all of them.
+    assert xla(mirrored, measured, 1, 4) == pytest.approx(4 * fixed + per_example * batch)
+    assert xla(mirrored, measured, 2, 4) == pytest.approx(4 * fixed + per_example * batch / 2)
+    assert xla(mirrored, one_run, 2, 4) == pytest.approx(4 * 90e6)
+    assert xla(mirrored, unmeasured, 1, 4) == pytest.approx(400e6)
 
 
 def test_the_search_ends_when_no_trial_left_could_win(facts, monkeypatch):
@@ -703,7 +773,8 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monk
     XLA setting, instead of the step's fixed cost (which also holds the
     once-per-step update); the control: unmeasured, the fixed cost stands in."""
     from tfdist.planner import calibrate
-    seconds = {("off", "1"): 0.010, ("off", "8"): 0.017, ("on", "1"): 0.006, ("on", "8"): 0.020}
+    seconds = {("off", "1"): 0.010, ("off", "8"): 0.017, ("on", "1"): 0.006, ("on", "8"): 0.020,
+               ("on", "2"): 0.007}
 
     def run(runs, **kw):
         records = []

@@ -65,6 +65,7 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         log(f"no mixed_bfloat16 candidates: {hardware.bf16_refusal()}")
         lossy = False
     processes = _processes(small, large, lossy)
+    compiled_runs = processes[2][:-1]   # XLA's runs in micro-batches (each compiled)
     results = [_calibration_run(number, len(processes), config, steps_per_loop, runs,
                                 functions, log, work_dir, timeout)
                for number, runs in enumerate(processes, 1)]
@@ -87,8 +88,8 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         points=((small, peak(first, small)), (large, peak(second, large))),
         rates=rates, baselines={}, peaks16=peaks16,
         xla_bytes=max(0, compiled["peak_bytes"] - second["peak_bytes"]),
-        xla_micro=((large // _parts(large), peak(compiled_split[0], large))
-                   if compiled_split else None),
+        xla_programs=tuple((large // r["accum_steps"], peak(record, large))
+                           for r, record in zip(compiled_runs, compiled_split)),
         times=((small, small / first["examples_per_sec"]),
                (large, large / second["examples_per_sec"])),
         micro_batch_seconds=further(second, split),
@@ -133,6 +134,11 @@ def _processes(small: int, large: int, lossy: bool) -> list:
     parts = _parts(large)
     split = {jit: [run("float32", jit, large, parts)] if parts > 1 else []
              for jit in ("off", "on")}
+    # With XLA, in 2 micro-batches too (after the 8, larger): a compiled
+    # micro-batch's program at two sizes, what a program holds beyond its
+    # examples and per example (`costs.base_terms`).
+    if parts > 2 and large % 2 == 0:
+        split["on"].append(run("float32", "on", large, 2))
     # After the quarter batch (its record, peak included, is written first):
     # loops of one step, whose loss is the loss at the start, the scale of
     # what training reduces it by (`Calibration.start_loss`).

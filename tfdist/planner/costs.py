@@ -174,11 +174,15 @@ class Calibration:
     peaks16: Optional[tuple] = None
     times: tuple = ()
     xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
-    # (micro-batch, peak) of the whole batch in micro-batches, each compiled,
-    # or None if not measured: what compiling adds there is XLA's buffers for
-    # a micro-batch's program, not the whole step's (the cnn: 423 MiB for the
-    # whole step at batch 256, 87-97 in 2-8 micro-batches).
-    xla_micro: Optional[tuple] = None
+    # ((micro-batch, peak), ...) of the whole batch in micro-batches, each
+    # compiled (at 8 and at 2), or () if not measured: what compiling adds
+    # there is a program's without the update, not the whole step's (the
+    # cnn: 423 MiB for the whole step at batch 256, 87-97 in 2-8
+    # micro-batches), and it is not the plain activations' share of the
+    # micro-batch (the transformer's XLA programs held less per example than
+    # plain TensorFlow: 120 MiB beyond the plain prediction at 32 examples,
+    # 71 at 128; the cnn's slightly more: 139 and 144).
+    xla_programs: tuple = ()
     # What one further micro-batch added to a step (one device, without and
     # with XLA), or None if not measured.
     micro_batch_seconds: Optional[float] = None
@@ -409,20 +413,50 @@ def state(facts: Facts, params: float = 1.0, grads: float = 1.0, slots: float = 
 
 
 def base_terms(facts: Facts, family: str, jit: str = "off", accum: int = 1,
-               replicas: int = 1) -> dict:
+               replicas: int = 1, examples: Optional[float] = None,
+               update_compiled: bool = False) -> dict:
     """The process's resident baseline, and XLA's compilation where the step
-    (with `accum` > 1, each micro-batch: its buffers on each of the process's
-    `replicas`, which run their programs at once) is compiled."""
+    is compiled: the whole step's as measured where one program holds the
+    forward, the backward and the update (`update_compiled`, one
+    micro-batch: one device), else each program's without the update
+    (micro-batches; replicas whose gradients are summed between the
+    programs and the update): what a program holds whatever its examples,
+    on each of the process's `replicas` (they run theirs at once), and per
+    example (`examples`: those the process's programs compute at once),
+    fitted to the compiled micro-batch runs. Measured on 2 virtual CPU
+    devices (Zen 4 EPYC, TF 2.21), beyond the plain runs' predictions: the
+    cnn's programs under mirrored held 290-306 MiB, the transformer's 19 at
+    one micro-batch (its XLA activations smaller than plain TensorFlow's)."""
     terms = {"runtime": facts.base(family), "shuffle buffer": facts.buffer_bytes()}
     calibration = facts.calibration
     compiled = calibration.xla_bytes
-    if accum > 1 and calibration.xla_micro:   # its peak less the plain run's, predicted
-        micro, peak = calibration.xla_micro
-        compiled = replicas * max(0.0, peak - calibration.intercept()
-                                  - calibration.slope() * micro - facts.model.trainable_bytes)
+    programs = _xla_program_bytes(facts)
+    if programs and not (accum == 1 and update_compiled):
+        fixed, per_example = programs
+        in_flight = (facts.global_batch if examples is None else examples) / accum
+        compiled = max(0.0, replicas * fixed + per_example * in_flight)
     if jit == "on" and compiled:
         terms["XLA compilation"] = compiled
     return terms
+
+
+def _xla_program_bytes(facts: Facts) -> Optional[tuple]:
+    """(bytes a compiled program without the update holds whatever its
+    examples, bytes per example) beyond the plain run's prediction at its
+    micro-batch (`Calibration.xla_programs`: one run, all of it fixed; two,
+    the line through them); None if not measured."""
+    calibration = facts.calibration
+    beyond = [(micro, peak - calibration.intercept() - calibration.slope() * micro
+               - facts.model.trainable_bytes)
+              for micro, peak in calibration.xla_programs or ()]
+    if not beyond:
+        return None
+    (b1, x1), *rest = sorted(beyond)
+    if not rest or rest[-1][0] == b1:
+        return max(0.0, x1), 0.0
+    b2, x2 = rest[-1]
+    per_example = (x2 - x1) / (b2 - b1)
+    return x1 - per_example * b1, per_example
 
 
 def probe_facts(facts: Facts, probe: Optional[Probe] = None) -> Facts:

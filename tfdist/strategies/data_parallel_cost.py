@@ -79,7 +79,7 @@ class OneDevice:
     def estimate(self, facts: Facts, options: dict) -> Estimate:
         batch, precision = facts.global_batch, options["precision"]
         memory = {**base_terms(facts, self.family, options["jit_compile"],
-                                 options["accum_steps"]),
+                                 options["accum_steps"], update_compiled=True),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(batch / options["accum_steps"],
                                                         precision),
@@ -162,7 +162,7 @@ class ReplicaPerProcess:
         per_worker = facts.global_batch / workers
         kind = options.get("grad_compression", "none")
         memory = {**base_terms(facts, self.family, options["jit_compile"],
-                                 options["accum_steps"]),
+                                 options["accum_steps"], examples=per_worker),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(per_worker / options["accum_steps"],
                                                         precision),
