@@ -14,7 +14,7 @@ from tfdist import models, strategies
 from tfdist.data.function_inputs import FunctionInputs
 from tfdist.errors import UsageError
 from tfdist.pipeline import schedule as schedules
-from tfdist.planner import costs, functions, parse_size, profile, search
+from tfdist.planner import costs, functions, parse_size, probing, profile, search
 from tfdist.strategies.dtensor.cost import MOST
 from tfdist.training import xla
 from common import IMAGE_SPEC, image_dataset_fn, run_config
@@ -240,7 +240,7 @@ def _probed(facts, per_byte: dict):
     peaks = {}
     for variant, options in cost.probes(devices).items():
         key = (options["zero_stage"], options["accum_steps"])
-        predicted = -costs.probe_residual(
+        predicted = -probing.probe_residual(
             dataclasses.replace(bare, calibration=dataclasses.replace(
                 bare.calibration, probe=dataclasses.replace(bare.calibration.probe,
                                                             peaks={f"dtensor {variant}": 0.0}))),
@@ -282,12 +282,12 @@ def test_the_probes_tell_bytes_per_byte_from_bytes_per_operation():
     per_byte, per_op = 3.0, 1e5
     bytes_probe, graph_probe = (16e6, 48), (3e4, 334)
     residuals = [(per_byte * c + per_op * o, c, o) for c, o in (bytes_probe, graph_probe)]
-    assert costs.per_byte_and_count(residuals) == pytest.approx((per_byte, per_op))
+    assert probing.per_byte_and_count(residuals) == pytest.approx((per_byte, per_op))
     # The control: the bytes probe alone puts its operations' share on its bytes.
-    alone = costs.per_byte_and_count(residuals[:1])
+    alone = probing.per_byte_and_count(residuals[:1])
     assert alone[1] == 0.0 and alone[0] == pytest.approx(per_byte + per_op * 48 / 16e6)
-    assert costs.per_byte_and_count([(-5.0, 16e6, 48), (-1.0, 3e4, 334)]) == (0.0, 0.0)
-    assert costs.per_byte_and_count([]) == (0.0, 0.0)
+    assert probing.per_byte_and_count([(-5.0, 16e6, 48), (-1.0, 3e4, 334)]) == (0.0, 0.0)
+    assert probing.per_byte_and_count([]) == (0.0, 0.0)
 
 
 def test_dtensor_memory_grows_with_the_graph_of_each_micro_batch(facts):
@@ -315,7 +315,7 @@ def test_dtensor_memory_grows_with_the_graph_of_each_micro_batch(facts):
             one = dataclasses.replace(probe, peaks={f"dtensor {variant}": 0.0})
             accum, stage = options["accum_steps"], options["zero_stage"]
             found[f"dtensor {variant}"] = (
-                -costs.probe_residual(bare, cost, "dtensor", variant, options, one)
+                -probing.probe_residual(bare, cost, "dtensor", variant, options, one)
                 + per_op[accum] * probe.model.step_ops
                 + (per_variable[accum] * trained(probe.model) if stage else 0.0))
         return found
@@ -404,7 +404,7 @@ def test_pipeline_micro_batches_hold_what_its_probes_measured_beyond_the_schedul
             one = dataclasses.replace(probe, peaks={f"pipeline {variant}": 0.0})
             model = probe.model
             found[f"pipeline {variant}"] = (
-                -costs.probe_residual(bare, cost, "pipeline", variant, options, one)
+                -probing.probe_residual(bare, cost, "pipeline", variant, options, one)
                 + extra * (options["accum_steps"] - 1) * (per_op * model.step_ops
                                                           + per_byte * model.param_bytes))
         return found
@@ -800,6 +800,21 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monk
     assert overhead(measured, "off") == pytest.approx(3 * 0.001)
     assert overhead(measured, "on") == pytest.approx(3 * 0.002)
     assert overhead(facts, "on") == pytest.approx(3 * facts.step_overhead())
+    # With XLA in 2 micro-batches too: linear between 1, 2 and 8.
+    assert calibration.micro_batches_xla_two == pytest.approx(0.001)
+    assert overhead(dataclasses.replace(measured, calibration=dataclasses.replace(
+        measured.calibration, micro_batches_xla_two=0.001)), "on") == pytest.approx(
+        0.001 + 2 * (7 * 0.002 - 0.001) / 6)
+    # Faster in micro-batches (measured so): the term is negative, at most
+    # half the step's computation.
+    faster = dataclasses.replace(facts, calibration=dataclasses.replace(
+        facts.calibration, micro_batch_seconds=-0.001))
+    assert overhead(faster, "off") == pytest.approx(-0.003)
+    compute = cost.estimate(faster, {"accum_steps": 4, "precision": "float32",
+                                     "jit_compile": "off"}).time["compute"]
+    much_faster = dataclasses.replace(faster, calibration=dataclasses.replace(
+        faster.calibration, micro_batch_seconds=-compute))
+    assert overhead(much_faster, "off") == pytest.approx(-compute / 2)
 
 
 def test_dtensor_micro_batches_cost_what_its_probes_measured_beyond_one_devices(facts):
@@ -856,7 +871,7 @@ def test_dtensor_zero_stages_cost_what_their_probes_measured_beyond_stage_0(fact
     bare = dataclasses.replace(facts, calibration=dataclasses.replace(
         facts.calibration, probe=costs.Probe(model=facts.model, batch=32, reference=6e8,
                                              peaks={}, reference_rates={1: 3200.0})))
-    predicted = {stage: cost.estimate(costs.probe_facts(bare), {**options, "zero_stage": stage}
+    predicted = {stage: cost.estimate(probing.probe_facts(bare), {**options, "zero_stage": stage}
                                       ).step_seconds for stage in (0, 1, 3)}
     unexplained = {0: 0.002, 1: 0.005, 3: 0.009}    # seconds beyond each stage's prediction
     rates = {f"dtensor zero{stage} accum1": 32 / (predicted[stage] + unexplained[stage])

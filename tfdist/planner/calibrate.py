@@ -65,7 +65,6 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         log(f"no mixed_bfloat16 candidates: {hardware.bf16_refusal()}")
         lossy = False
     processes = _processes(small, large, lossy)
-    compiled_runs = processes[2][:-1]   # XLA's runs in micro-batches (each compiled)
     results = [_calibration_run(number, len(processes), config, steps_per_loop, runs,
                                 functions, log, work_dir, timeout)
                for number, runs in enumerate(processes, 1)]
@@ -88,25 +87,38 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         points=((small, peak(first, small)), (large, peak(second, large))),
         rates=rates, baselines={}, peaks16=peaks16,
         xla_bytes=max(0, compiled["peak_bytes"] - second["peak_bytes"]),
-        xla_programs=tuple((large // r["accum_steps"], peak(record, large))
-                           for r, record in zip(compiled_runs, compiled_split)),
         times=((small, small / first["examples_per_sec"]),
                (large, large / second["examples_per_sec"])),
         micro_batch_seconds=further(second, split),
-        micro_batch_seconds_xla=further(compiled, compiled_split),
+        **_compiled_micro_batches(large, processes[2][:-1], compiled_split, compiled,
+                                  lambda record: peak(record, large)),
         loop_steps=steps_per_loop, reference_loss=second.get("loss"),
         start_loss=start.get("loss"),
         runs=(_one_device_runs(processes[1:], results[1:], 2 * steps_per_loop * large)
               if large == batch else []))
 
 
+def _compiled_micro_batches(batch: int, options: list, records: list, whole: dict,
+                            peak: Callable) -> dict:
+    """The Calibration fields of the runs with XLA in micro-batches (their
+    `options` and `records`, 8 then 2) against the `whole` batch's:
+    each program's peak, what a further micro-batch adds at 8, what 2 add."""
+    seconds = [batch / record["examples_per_sec"] for record in [whole, *records]]
+    return dict(
+        xla_programs=tuple((batch // o["accum_steps"], peak(record))
+                           for o, record in zip(options, records)),
+        micro_batch_seconds_xla=_further(batch, _parts(batch), whole, records),
+        micro_batches_xla_two=seconds[2] - seconds[0] if len(records) > 1 else None)
+
+
 def _further(batch: int, parts: int, whole: dict, in_parts: list) -> Optional[float]:
-    """The seconds each further micro-batch adds: `whole`'s run at `batch`
-    against the same batch in `parts` micro-batches (`in_parts`, if run)."""
+    """The seconds each further micro-batch adds (negative where the step
+    ran faster in them): `whole`'s run at `batch` against the same batch in
+    `parts` micro-batches (`in_parts`, if run)."""
     if not in_parts:
         return None
-    return max(0.0, (batch / in_parts[0]["examples_per_sec"]
-                     - batch / whole["examples_per_sec"]) / (parts - 1))
+    return (batch / in_parts[0]["examples_per_sec"]
+            - batch / whole["examples_per_sec"]) / (parts - 1)
 
 
 def _one_device_runs(processes: list, results: list, reads: float) -> list:

@@ -184,9 +184,12 @@ class Calibration:
     # 71 at 128; the cnn's slightly more: 139 and 144).
     xla_programs: tuple = ()
     # What one further micro-batch added to a step (one device, without and
-    # with XLA), or None if not measured.
+    # with XLA: the whole batch against it in 8), negative where the step ran
+    # faster in micro-batches; and what 2 micro-batches with XLA added to the
+    # whole step's seconds; None if not measured.
     micro_batch_seconds: Optional[float] = None
     micro_batch_seconds_xla: Optional[float] = None
+    micro_batches_xla_two: Optional[float] = None
     probe: Optional[Probe] = None
     runs: list = dataclasses.field(default_factory=list)
     # The loop the calibration ran (two of them), and the training loss of its
@@ -292,14 +295,38 @@ class Facts:
         return examples / rate if rate else math.inf
 
     def micro_batch_overhead(self, jit: str = "off") -> float:
-        """Seconds each micro-batch beyond the first adds to a step: measured
-        (the same batch whole and in up to 8 micro-batches on one device,
-        with and without XLA), else the step's fixed cost (`step_overhead`),
-        which also holds the update and the host's loop, made once per step."""
+        """Seconds each micro-batch beyond the first adds to a step, at least
+        0: measured (the same batch whole and in 8 micro-batches on one
+        device, with and without XLA), else the step's fixed cost
+        (`step_overhead`), which also holds the update and the host's loop,
+        made once per step."""
         measured = (self.calibration.micro_batch_seconds_xla if jit == "on" else None)
         if measured is None:
             measured = self.calibration.micro_batch_seconds
-        return self.step_overhead() if measured is None else measured
+        return self.step_overhead() if measured is None else max(0.0, measured)
+
+    def micro_batches_seconds(self, jit: str, count: int) -> float:
+        """Seconds `count` micro-batches add to one device's step against the
+        whole batch in one, negative where the step ran faster in them (a
+        smaller micro-batch's activations stay in the caches: the
+        transformer's compiled step on a 2-core Zen 4 EPYC ran 648, 682, 734
+        and 757 examples/s whole and in 2, 4 and 8; the cnn's plain one
+        1729, 1701, 1587, 1344): linear between the measured counts (1, 8,
+        and with XLA 2), the last segment beyond; unmeasured, the fixed cost
+        per further micro-batch (`micro_batch_overhead`)."""
+        calibration = self.calibration
+        further = (calibration.micro_batch_seconds_xla if jit == "on" else None)
+        if further is None:
+            further = calibration.micro_batch_seconds
+        if further is None or count <= 1:
+            return (count - 1) * self.micro_batch_overhead(jit)
+        points = [(1, 0.0), (8, 7 * further)]
+        if jit == "on" and calibration.micro_batch_seconds_xla is not None \
+                and calibration.micro_batches_xla_two is not None:
+            points.insert(1, (2, calibration.micro_batches_xla_two))
+        (c1, s1), (c2, s2) = next(((a, b) for a, b in zip(points, points[1:])
+                                   if count <= b[0]), points[-2:])
+        return s1 + (count - c1) * (s2 - s1) / (c2 - c1)
 
     def step_overhead(self) -> float:
         """Seconds a step costs whatever its batch (launching its ops, the
@@ -457,74 +484,6 @@ def _xla_program_bytes(facts: Facts) -> Optional[tuple]:
     b2, x2 = rest[-1]
     per_example = (x2 - x1) / (b2 - b1)
     return x1 - per_example * b1, per_example
-
-
-def probe_facts(facts: Facts, probe: Optional[Probe] = None) -> Facts:
-    """The probe model's facts on this host (one process): its one-device
-    peak at both batch sizes and its one-device rate (float32, no XLA). They
-    have no probe, so an engine's cost model predicts it without the terms
-    its probes measure. `probe`: which (default the calibration's)."""
-    probe = probe or facts.calibration.probe
-    batch = probe.batch
-    rate = probe.reference_rates.get(1)
-    return Facts(
-        model=probe.model,
-        calibration=Calibration(points=((batch, probe.reference), (2 * batch, probe.reference)),
-                                rates={("float32", "off"): rate} if rate else {},
-                                baselines=facts.calibration.baselines),
-        host=dataclasses.replace(facts.host, processes=1, hosts=1), global_batch=batch)
-
-
-PROBE_OPTIONS = {"precision": "float32", "jit_compile": "off", "accum_steps": 1}
-
-
-def probe_residual(facts: Facts, cost, engine: str, variant: str, options: dict,
-                   probe: Optional[Probe] = None) -> Optional[float]:
-    """What `cost` (an engine's cost model) leaves out on the probe model
-    under `options` (its probe `variant`): the measured peak less the
-    predicted one, in bytes; None if the probe was not measured. `probe`:
-    which (default the calibration's)."""
-    probe = probe or facts.calibration.probe
-    measured = probe.peaks.get(f"{engine} {variant}") if probe else None
-    if measured is None:
-        return None
-    return measured - cost.estimate(probe_facts(facts, probe),
-                                    {**PROBE_OPTIONS, **options}).peak_bytes
-
-
-def per_byte_and_count(residuals: list) -> tuple:
-    """(bytes per byte, bytes per counted thing: a graph operation, a
-    variable) that explain `residuals`, a list of (bytes left out, bytes
-    computed, count) of the probe models: the two probes' linear system,
-    solved; one probe, or two the system cannot tell apart, gives its bytes
-    per byte alone. Neither is negative."""
-    usable = [(max(0.0, r), c, o) for r, c, o in residuals if c > 0]
-    if not usable:
-        return 0.0, 0.0
-    (r1, c1, o1) = usable[0]
-    if len(usable) > 1 and o1 and usable[1][2]:
-        r2, c2, o2 = usable[1]
-        det = c1 * o2 - c2 * o1
-        if abs(det) > 1e-9 * c1 * o2:
-            per_byte, per_op = (r1 * o2 - r2 * o1) / det, (c1 * r2 - c2 * r1) / det
-            if per_byte < 0:   # all of it per count, as the probe of many says
-                return 0.0, r2 / o2
-            if per_op < 0:
-                return r1 / c1, 0.0
-            return per_byte, per_op
-    return r1 / c1, 0.0
-
-
-def probe_time_residual(facts: Facts, cost, engine: str, variant: str, options: dict
-                        ) -> Optional[float]:
-    """The same for step time: the probe's measured seconds per step under
-    `options` less `cost`'s prediction for it; None if not measured."""
-    probe = facts.calibration.probe
-    rate = probe.rates.get(f"{engine} {variant}") if probe else None
-    if not rate or not probe.reference_rates.get(1):
-        return None
-    predicted = cost.estimate(probe_facts(facts), {**PROBE_OPTIONS, **options}).step_seconds
-    return probe.batch / rate - predicted
 
 
 def dividers(n: int) -> Iterable[int]:

@@ -50,12 +50,16 @@ def _loop_graph(facts: Facts, options: dict, replicas: int) -> dict:
             if per_op else {})
 
 
-def _overhead(facts: Facts, options: dict, launches: int = 1) -> dict:
-    """Each micro-batch beyond the first costs what one device measured it to
-    (with the candidate's XLA setting)."""
-    extra = (options["accum_steps"] - 1) * launches
-    return ({"micro-batch overhead": extra * facts.micro_batch_overhead(options["jit_compile"])}
-            if extra else {})
+def _overhead(facts: Facts, options: dict, compute: float) -> dict:
+    """What the candidate's micro-batches add to (or take from) the step, as
+    one device measured them (with the candidate's XLA setting); what they
+    take at most half of the step's `compute` (one device's gain applied to
+    replicas sharing the cores)."""
+    accum = options["accum_steps"]
+    if accum <= 1:
+        return {}
+    return {"micro-batch overhead": max(-compute / 2, facts.micro_batches_seconds(
+        options["jit_compile"], accum))}
 
 
 class OneDevice:
@@ -84,8 +88,8 @@ class OneDevice:
                   "activations": facts.activation_bytes(batch / options["accum_steps"],
                                                         precision),
                   **_loop_graph(facts, options, 1)}
-        time = {"compute": facts.compute_seconds(batch, precision, options["jit_compile"]),
-                **_overhead(facts, options)}
+        time = {"compute": facts.compute_seconds(batch, precision, options["jit_compile"])}
+        time.update(_overhead(facts, options, time["compute"]))
         return Estimate(memory, time, family=self.family)
 
 
@@ -120,8 +124,8 @@ class LocalReplicas:
         time = {"compute": facts.concurrent_seconds(batch, precision, options["jit_compile"],
                                                     devices),
                 "gradient all-reduce": all_reduce_seconds(
-                    facts, facts.model.trainable_bytes, devices, local=True),
-                **_overhead(facts, options)}
+                    facts, facts.model.trainable_bytes, devices, local=True)}
+        time.update(_overhead(facts, options, time["compute"]))
         return Estimate(memory, time, family=self.family)
 
 
@@ -173,8 +177,8 @@ class ReplicaPerProcess:
         # The processes of one host share its cores.
         time = {"compute": facts.concurrent_seconds(facts.global_batch / host.hosts, precision,
                                                     options["jit_compile"],
-                                                    workers // host.hosts),
-                **_overhead(facts, options)}
+                                                    workers // host.hosts)}
+        time.update(_overhead(facts, options, time["compute"]))
         exchange = _exchange(facts, kind, options.get("sync_every", 0), workers)
         time.update(exchange)
         time.update(_compression_compute(facts, kind))

@@ -13,8 +13,8 @@ from typing import Optional
 
 from tfdist import sharding
 from tfdist.errors import UsageError
-from tfdist.planner.costs import (Estimate, Facts, all_reduce_seconds, base_terms, dividers,
-                                  per_byte_and_count, probe_residual, probe_time_residual)
+from tfdist.planner.costs import Estimate, Facts, all_reduce_seconds, base_terms, dividers
+from tfdist.planner.probing import per_byte_and_count, probe_residual, probe_time_residual
 
 ZERO_STAGES = (0, 1, 2, 3)
 # The probe runs (ZeRO stage, micro-batches): every stage at one micro-batch

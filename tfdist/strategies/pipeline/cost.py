@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from tfdist.pipeline import schedule as schedules
 from tfdist.planner.costs import (Estimate, Facts, all_reduce_seconds, base_terms,
-                                  per_byte_and_count, probe_residual, send_seconds)
+                                  send_seconds)
+from tfdist.planner.probing import per_byte_and_count, probe_residual
 
 SCHEDULES = ("1f1b", "gpipe")
 MICRO_BATCHES = (2, 4, 8)
