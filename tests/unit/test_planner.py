@@ -206,11 +206,9 @@ def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(fact
                                     None, 60.0, lambda examples: 0.0)
     assert {(r.options["jit_compile"], r.options["accum_steps"], r.peak)
             for r in calibration.runs} == {("off", 1, 2**29), ("off", 8, None),
-                                           ("on", 8, 2**29), ("on", 2, None),
-                                           ("on", 1, None)}
-    # XLA's micro-batches ran first in their process, the smaller first: each
-    # peak is its own (the record's peak so far, larger after smaller).
-    assert calibration.xla_programs == ((4, 2**29), (16, 2**29 + 1))
+                                           ("on", 8, 2**29), ("on", 1, None)}
+    # XLA's micro-batches ran first in their process: their peak is their own.
+    assert calibration.xla_micro == (4, 2**29)
     assert all("--virtual_devices=1" in f and "--strategy=default" in f for f in flags_seen)
 
     def firsts(runs):
@@ -221,7 +219,7 @@ def test_calibration_at_the_whole_batch_is_the_one_device_candidates_trials(fact
         return [c for c in candidates if c.calibrated], search.first_trials(candidates)
 
     adopted, first = firsts(calibration.runs)
-    assert len(adopted) == 5 and all(c.engine == "default" for c in adopted)
+    assert len(adopted) == 4 and all(c.engine == "default" for c in adopted)
     assert {c.measured_peak() for c in adopted} == {2**29, None}
     assert first and "default" not in {c.engine for c in first}
     adopted, first = firsts([])
@@ -435,45 +433,34 @@ def test_pipeline_micro_batches_hold_what_its_probes_measured_beyond_the_schedul
     assert term(facts, 8) == 0.0
 
 
-def test_compiled_programs_hold_what_their_own_runs_measured(facts):
-    """Where a compiled program holds no update (micro-batches; replicas whose
-    gradients are summed between), XLA's bytes are a fixed part per program
-    and a part per example in flight, the line through the compiled
-    micro-batch runs beyond the plain runs' predictions; one device's whole
-    step (the update compiled with it) keeps the whole step's measurement.
-    The controls: one run measured, all of it fixed; none, the whole step's."""
+def test_compiled_programs_without_the_update_hold_what_their_own_run_measured(facts):
+    """Where a compiled program holds no update (micro-batches; mirrored's
+    replicas, whose gradients are summed between their programs and the
+    update), XLA's bytes are what the run in compiled micro-batches held
+    beyond the plain run's predicted peak at that micro-batch, on each
+    replica; one device's whole step (the update compiled with it) keeps
+    the whole step's. The control: without that run, the whole step's."""
     cost = search.cost_model(strategies.engine("default"))
     mirrored = search.cost_model(strategies.engine("mirrored"))
     calibration = dataclasses.replace(facts.calibration, xla_bytes=400e6)
-
-    def plain(micro):
-        return (calibration.intercept() + calibration.slope() * micro
-                + facts.model.trainable_bytes)
-    batch = facts.global_batch
-    small, large = batch // 8, batch // 2
-    # 100 MB per program, less 0.5 MB per example (XLA's activations below plain TF's)
-    fixed, per_example = 100e6, -0.5e6
+    micro = 4
+    plain = (calibration.intercept() + calibration.slope() * micro
+             + facts.model.trainable_bytes)
     measured = dataclasses.replace(facts, calibration=dataclasses.replace(
-        calibration, xla_programs=((small, plain(small) + fixed + per_example * small),
-                                   (large, plain(large) + fixed + per_example * large))))
-    one_run = dataclasses.replace(facts, calibration=dataclasses.replace(
-        calibration, xla_programs=((small, plain(small) + 90e6),)))
+        calibration, xla_micro=(micro, plain + 90e6)))
     unmeasured = dataclasses.replace(facts, calibration=calibration)
 
     def xla(model, f, accum, devices=1):
         options = {"virtual_devices": devices, "precision": "float32", "jit_compile": "on",
                    "accum_steps": accum}
-        return model.estimate(f, options).memory.get("XLA compilation", 0.0)
+        return model.estimate(f, options).memory["XLA compilation"]
 
-    for accum in (2, 8):
-        assert xla(cost, measured, accum) == pytest.approx(fixed + per_example * batch / accum)
-        assert xla(cost, one_run, accum) == pytest.approx(90e6)
-        assert xla(cost, unmeasured, accum) == pytest.approx(400e6)
-    assert xla(cost, measured, 1) == pytest.approx(400e6)    # the update compiled with it
-    # Mirrored: each replica's program its fixed part, the examples of all of them.
-    assert xla(mirrored, measured, 1, 4) == pytest.approx(4 * fixed + per_example * batch)
-    assert xla(mirrored, measured, 2, 4) == pytest.approx(4 * fixed + per_example * batch / 2)
-    assert xla(mirrored, one_run, 2, 4) == pytest.approx(4 * 90e6)
+    assert xla(cost, measured, 2) == pytest.approx(90e6)
+    assert xla(cost, measured, 8) == pytest.approx(90e6)
+    assert xla(cost, measured, 1) == pytest.approx(400e6)   # the update compiled with it
+    assert xla(cost, unmeasured, 2) == pytest.approx(400e6)
+    for accum in (1, 2):                                    # each replica its program
+        assert xla(mirrored, measured, accum, 4) == pytest.approx(4 * 90e6)
     assert xla(mirrored, unmeasured, 1, 4) == pytest.approx(400e6)
 
 
@@ -773,8 +760,7 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monk
     XLA setting, instead of the step's fixed cost (which also holds the
     once-per-step update); the control: unmeasured, the fixed cost stands in."""
     from tfdist.planner import calibrate
-    seconds = {("off", "1"): 0.010, ("off", "8"): 0.017, ("on", "1"): 0.006, ("on", "8"): 0.020,
-               ("on", "2"): 0.007}
+    seconds = {("off", "1"): 0.010, ("off", "8"): 0.017, ("on", "1"): 0.006, ("on", "8"): 0.020}
 
     def run(runs, **kw):
         records = []
@@ -800,11 +786,6 @@ def test_a_further_micro_batch_costs_what_calibration_measured_it_to(facts, monk
     assert overhead(measured, "off") == pytest.approx(3 * 0.001)
     assert overhead(measured, "on") == pytest.approx(3 * 0.002)
     assert overhead(facts, "on") == pytest.approx(3 * facts.step_overhead())
-    # With XLA in 2 micro-batches too: linear between 1, 2 and 8.
-    assert calibration.micro_batches_xla_two == pytest.approx(0.001)
-    assert overhead(dataclasses.replace(measured, calibration=dataclasses.replace(
-        measured.calibration, micro_batches_xla_two=0.001)), "on") == pytest.approx(
-        0.001 + 2 * (7 * 0.002 - 0.001) / 6)
     # Faster in micro-batches (measured so): the term is negative, at most
     # half the step's computation.
     faster = dataclasses.replace(facts, calibration=dataclasses.replace(

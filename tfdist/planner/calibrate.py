@@ -100,15 +100,15 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
 
 def _compiled_micro_batches(batch: int, options: list, records: list, whole: dict,
                             peak: Callable) -> dict:
-    """The Calibration fields of the runs with XLA in micro-batches (their
-    `options` and `records`, 8 then 2) against the `whole` batch's:
-    each program's peak, what a further micro-batch adds at 8, what 2 add."""
-    seconds = [batch / record["examples_per_sec"] for record in [whole, *records]]
+    """The Calibration fields of the run with XLA in micro-batches (its
+    `options` and record, if run) against the `whole` batch's: its
+    program's peak and what a further micro-batch adds. (A second such run
+    in the same process would not measure its own: the first's compiled
+    program stays resident, and the whole batch's run after both held
+    186-400 MiB more than in a process of its own, Zen 4 EPYC.)"""
     return dict(
-        xla_programs=tuple((batch // o["accum_steps"], peak(record))
-                           for o, record in zip(options, records)),
-        micro_batch_seconds_xla=_further(batch, _parts(batch), whole, records),
-        micro_batches_xla_two=seconds[2] - seconds[0] if len(records) > 1 else None)
+        xla_micro=((batch // options[0]["accum_steps"], peak(records[0])) if records else None),
+        micro_batch_seconds_xla=_further(batch, _parts(batch), whole, records))
 
 
 def _further(batch: int, parts: int, whole: dict, in_parts: list) -> Optional[float]:
@@ -146,11 +146,6 @@ def _processes(small: int, large: int, lossy: bool) -> list:
     parts = _parts(large)
     split = {jit: [run("float32", jit, large, parts)] if parts > 1 else []
              for jit in ("off", "on")}
-    # With XLA, in 2 micro-batches too (after the 8, larger): a compiled
-    # micro-batch's program at two sizes, what a program holds beyond its
-    # examples and per example (`costs.base_terms`).
-    if parts > 2 and large % 2 == 0:
-        split["on"].append(run("float32", "on", large, 2))
     # After the quarter batch (its record, peak included, is written first):
     # loops of one step, whose loss is the loss at the start, the scale of
     # what training reduces it by (`Calibration.start_loss`).

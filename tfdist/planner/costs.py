@@ -174,22 +174,16 @@ class Calibration:
     peaks16: Optional[tuple] = None
     times: tuple = ()
     xla_bytes: float = 0.0       # what a process's peak grew by when its step was compiled
-    # ((micro-batch, peak), ...) of the whole batch in micro-batches, each
-    # compiled (at 8 and at 2), or () if not measured: what compiling adds
-    # there is a program's without the update, not the whole step's (the
-    # cnn: 423 MiB for the whole step at batch 256, 87-97 in 2-8
-    # micro-batches), and it is not the plain activations' share of the
-    # micro-batch (the transformer's XLA programs held less per example than
-    # plain TensorFlow: 120 MiB beyond the plain prediction at 32 examples,
-    # 71 at 128; the cnn's slightly more: 139 and 144).
-    xla_programs: tuple = ()
+    # (micro-batch, peak) of the whole batch in micro-batches, each compiled,
+    # or None if not measured: what compiling adds to a program without the
+    # update, not the whole step's (the cnn: 423 MiB for the whole step at
+    # batch 256, 87-97 in 2-8 micro-batches).
+    xla_micro: Optional[tuple] = None
     # What one further micro-batch added to a step (one device, without and
     # with XLA: the whole batch against it in 8), negative where the step ran
-    # faster in micro-batches; and what 2 micro-batches with XLA added to the
-    # whole step's seconds; None if not measured.
+    # faster in micro-batches; None if not measured.
     micro_batch_seconds: Optional[float] = None
     micro_batch_seconds_xla: Optional[float] = None
-    micro_batches_xla_two: Optional[float] = None
     probe: Optional[Probe] = None
     runs: list = dataclasses.field(default_factory=list)
     # The loop the calibration ran (two of them), and the training loss of its
@@ -311,22 +305,15 @@ class Facts:
         smaller micro-batch's activations stay in the caches: the
         transformer's compiled step on a 2-core Zen 4 EPYC ran 648, 682, 734
         and 757 examples/s whole and in 2, 4 and 8; the cnn's plain one
-        1729, 1701, 1587, 1344): linear between the measured counts (1, 8,
-        and with XLA 2), the last segment beyond; unmeasured, the fixed cost
-        per further micro-batch (`micro_batch_overhead`)."""
-        calibration = self.calibration
-        further = (calibration.micro_batch_seconds_xla if jit == "on" else None)
+        1729, 1701, 1587, 1344): linear in the micro-batches, through the
+        runs whole and in 8; unmeasured, the fixed cost per further
+        micro-batch (`micro_batch_overhead`)."""
+        further = (self.calibration.micro_batch_seconds_xla if jit == "on" else None)
         if further is None:
-            further = calibration.micro_batch_seconds
-        if further is None or count <= 1:
+            further = self.calibration.micro_batch_seconds
+        if further is None:
             return (count - 1) * self.micro_batch_overhead(jit)
-        points = [(1, 0.0), (8, 7 * further)]
-        if jit == "on" and calibration.micro_batch_seconds_xla is not None \
-                and calibration.micro_batches_xla_two is not None:
-            points.insert(1, (2, calibration.micro_batches_xla_two))
-        (c1, s1), (c2, s2) = next(((a, b) for a, b in zip(points, points[1:])
-                                   if count <= b[0]), points[-2:])
-        return s1 + (count - c1) * (s2 - s1) / (c2 - c1)
+        return (count - 1) * further
 
     def step_overhead(self) -> float:
         """Seconds a step costs whatever its batch (launching its ops, the
@@ -440,50 +427,29 @@ def state(facts: Facts, params: float = 1.0, grads: float = 1.0, slots: float = 
 
 
 def base_terms(facts: Facts, family: str, jit: str = "off", accum: int = 1,
-               replicas: int = 1, examples: Optional[float] = None,
-               update_compiled: bool = False) -> dict:
+               replicas: int = 1, update_compiled: bool = False) -> dict:
     """The process's resident baseline, and XLA's compilation where the step
     is compiled: the whole step's as measured where one program holds the
     forward, the backward and the update (`update_compiled`, one
-    micro-batch: one device), else each program's without the update
-    (micro-batches; replicas whose gradients are summed between the
-    programs and the update): what a program holds whatever its examples,
-    on each of the process's `replicas` (they run theirs at once), and per
-    example (`examples`: those the process's programs compute at once),
-    fitted to the compiled micro-batch runs. Measured on 2 virtual CPU
-    devices (Zen 4 EPYC, TF 2.21), beyond the plain runs' predictions: the
-    cnn's programs under mirrored held 290-306 MiB, the transformer's 19 at
-    one micro-batch (its XLA activations smaller than plain TensorFlow's)."""
+    micro-batch: one device), else what a program without the update held
+    (calibration's run in compiled micro-batches, beyond the plain run's
+    predicted peak at that micro-batch), on each of the process's
+    `replicas`, which run theirs at once: micro-batches, and replicas whose
+    gradients are summed between their programs and the update (mirrored
+    with XLA at one micro-batch, measured on 2 virtual CPU devices of a Zen
+    4 EPYC: the cnn's programs held 290-306 MiB beyond the plain
+    prediction, twice its compiled micro-batch's, not the whole step's
+    494)."""
     terms = {"runtime": facts.base(family), "shuffle buffer": facts.buffer_bytes()}
     calibration = facts.calibration
     compiled = calibration.xla_bytes
-    programs = _xla_program_bytes(facts)
-    if programs and not (accum == 1 and update_compiled):
-        fixed, per_example = programs
-        in_flight = (facts.global_batch if examples is None else examples) / accum
-        compiled = max(0.0, replicas * fixed + per_example * in_flight)
+    if calibration.xla_micro and not (accum == 1 and update_compiled):
+        micro, peak = calibration.xla_micro
+        compiled = replicas * max(0.0, peak - calibration.intercept()
+                                  - calibration.slope() * micro - facts.model.trainable_bytes)
     if jit == "on" and compiled:
         terms["XLA compilation"] = compiled
     return terms
-
-
-def _xla_program_bytes(facts: Facts) -> Optional[tuple]:
-    """(bytes a compiled program without the update holds whatever its
-    examples, bytes per example) beyond the plain run's prediction at its
-    micro-batch (`Calibration.xla_programs`: one run, all of it fixed; two,
-    the line through them); None if not measured."""
-    calibration = facts.calibration
-    beyond = [(micro, peak - calibration.intercept() - calibration.slope() * micro
-               - facts.model.trainable_bytes)
-              for micro, peak in calibration.xla_programs or ()]
-    if not beyond:
-        return None
-    (b1, x1), *rest = sorted(beyond)
-    if not rest or rest[-1][0] == b1:
-        return max(0.0, x1), 0.0
-    b2, x2 = rest[-1]
-    per_example = (x2 - x1) / (b2 - b1)
-    return x1 - per_example * b1, per_example
 
 
 def dividers(n: int) -> Iterable[int]:

@@ -166,7 +166,7 @@ class ReplicaPerProcess:
         per_worker = facts.global_batch / workers
         kind = options.get("grad_compression", "none")
         memory = {**base_terms(facts, self.family, options["jit_compile"],
-                                 options["accum_steps"], examples=per_worker),
+                                 options["accum_steps"]),
                   **state(facts, accumulator=_accumulator(options)),
                   "activations": facts.activation_bytes(per_worker / options["accum_steps"],
                                                         precision),
