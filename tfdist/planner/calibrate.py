@@ -90,31 +90,22 @@ def measure(config: RunConfig, steps_per_loop: int, lossy: bool, functions: dict
         times=((small, small / first["examples_per_sec"]),
                (large, large / second["examples_per_sec"])),
         micro_batch_seconds=further(second, split),
-        **_compiled_micro_batches(large, processes[2][:-1], compiled_split, compiled,
-                                  lambda record: peak(record, large)),
+        xla_micro=((large // _parts(large), peak(compiled_split[0], large))
+                   if compiled_split else None),
+        micro_batch_seconds_xla=further(compiled, compiled_split),
         loop_steps=steps_per_loop, reference_loss=second.get("loss"),
         start_loss=start.get("loss"),
         runs=(_one_device_runs(processes[1:], results[1:], 2 * steps_per_loop * large)
               if large == batch else []))
 
 
-def _compiled_micro_batches(batch: int, options: list, records: list, whole: dict,
-                            peak: Callable) -> dict:
-    """The Calibration fields of the run with XLA in micro-batches (its
-    `options` and record, if run) against the `whole` batch's: its
-    program's peak and what a further micro-batch adds. (A second such run
-    in the same process would not measure its own: the first's compiled
-    program stays resident, and the whole batch's run after both held
-    186-400 MiB more than in a process of its own, Zen 4 EPYC.)"""
-    return dict(
-        xla_micro=((batch // options[0]["accum_steps"], peak(records[0])) if records else None),
-        micro_batch_seconds_xla=_further(batch, _parts(batch), whole, records))
-
-
 def _further(batch: int, parts: int, whole: dict, in_parts: list) -> Optional[float]:
     """The seconds each further micro-batch adds (negative where the step
     ran faster in them): `whole`'s run at `batch` against the same batch in
-    `parts` micro-batches (`in_parts`, if run)."""
+    `parts` micro-batches (`in_parts`, if run). With XLA, one such run: a
+    second in the same process would not measure its own peak (the first's
+    compiled program stays resident; the whole batch's run after two held
+    186-400 MiB more than in a process of its own, Zen 4 EPYC)."""
     if not in_parts:
         return None
     return (batch / in_parts[0]["examples_per_sec"]

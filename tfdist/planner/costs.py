@@ -294,10 +294,14 @@ class Facts:
         device, with and without XLA), else the step's fixed cost
         (`step_overhead`), which also holds the update and the host's loop,
         made once per step."""
-        measured = (self.calibration.micro_batch_seconds_xla if jit == "on" else None)
-        if measured is None:
-            measured = self.calibration.micro_batch_seconds
+        measured = self._further_micro_batch(jit)
         return self.step_overhead() if measured is None else max(0.0, measured)
+
+    def _further_micro_batch(self, jit: str) -> Optional[float]:
+        """Calibration's seconds per further micro-batch with this XLA
+        setting (without XLA where that was not measured), or None."""
+        measured = (self.calibration.micro_batch_seconds_xla if jit == "on" else None)
+        return self.calibration.micro_batch_seconds if measured is None else measured
 
     def micro_batches_seconds(self, jit: str, count: int) -> float:
         """Seconds `count` micro-batches add to one device's step against the
@@ -308,12 +312,8 @@ class Facts:
         1729, 1701, 1587, 1344): linear in the micro-batches, through the
         runs whole and in 8; unmeasured, the fixed cost per further
         micro-batch (`micro_batch_overhead`)."""
-        further = (self.calibration.micro_batch_seconds_xla if jit == "on" else None)
-        if further is None:
-            further = self.calibration.micro_batch_seconds
-        if further is None:
-            return (count - 1) * self.micro_batch_overhead(jit)
-        return (count - 1) * further
+        further = self._further_micro_batch(jit)
+        return (count - 1) * (self.micro_batch_overhead(jit) if further is None else further)
 
     def step_overhead(self) -> float:
         """Seconds a step costs whatever its batch (launching its ops, the
