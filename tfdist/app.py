@@ -27,6 +27,7 @@ from absl import app, flags, logging  # noqa: E402
 from tfdist import flags as tfdist_flags  # noqa: E402  (defines the flags)
 from tfdist import help as tfdist_help  # noqa: E402
 from tfdist import models, strategies  # noqa: E402  (registries; no TensorFlow yet)
+from tfdist.startup import load  # noqa: E402
 from tfdist.strategies import records  # noqa: E402
 from tfdist.errors import UsageError, WorkerFault  # noqa: E402
 from tfdist.training.interrupts import PREEMPTED_EXIT, Preempted  # noqa: E402
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> None:
         usage_exit("--print_stages and --print_layouts describe one engine's layout; "
                    "--strategy=auto chooses the engine as it trains: run tfdist-plan and "
                    "pass them with its flagfile")
-    from tfdist import api  # TensorFlow loads here, after the flags are known good
+    api = load("api")   # TensorFlow loads here, after the flags are known good
     if tfdist_flags.print_stages():
         print(api.describe_stages(config), flush=True)
         return
@@ -121,7 +122,7 @@ def export_main(argv: list[str]) -> None:
     if not model_dir or not export_dir:
         usage_exit("tfdist-export needs --model_dir (a run's directory) and --export_dir "
                    "(where to write model.keras and saved_model/)")
-    from tfdist import exporting  # TensorFlow loads here
+    exporting = load("exporting")   # TensorFlow loads here
     print(json.dumps(exporting.export_checkpoint(model_dir, export_dir), sort_keys=True),
           flush=True)
 
@@ -137,7 +138,7 @@ def plan_main(argv: list[str]) -> None:
     target = os.path.abspath(plan_file)
     if os.path.isdir(target) or not os.path.isdir(os.path.dirname(target)):
         usage_exit(f"--plan_file={plan_file}: must be a file in an existing directory")
-    from tfdist import planner  # TensorFlow loads here, after the flags are known good
+    planner = load("planner")   # TensorFlow loads here, after the flags are known good
     plan = planner.plan(config, log=lambda line: print(f"{_prog()}: {line}", flush=True),
                         **options)
     print(plan.table(), flush=True)

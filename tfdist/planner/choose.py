@@ -20,8 +20,10 @@ def main(argv: list[str]) -> int:
         request = json.load(f)
     from absl import logging
     from tfdist import flags as tfdist_flags   # defines tfdist's flags
+    from tfdist import startup
     from tfdist.errors import UsageError
-    from tfdist.planner import auto, functions
+    from tfdist.planner import functions
+    auto = startup.load("planner.auto")   # TensorFlow and Keras, frozen (tfdist/startup.py)
     try:
         config = tfdist_flags.run_config_of(request["flags"])   # resets absl's verbosity
         logging.set_verbosity(logging.INFO)   # the planner's progress, as tfdist-train's

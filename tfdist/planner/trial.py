@@ -89,8 +89,9 @@ def main(argv: list[str]) -> int:
         spec = json.load(f)
     from tfdist import flags as tfdist_flags   # defines tfdist's flags
     from tfdist.planner import functions
+    from tfdist import startup
     user = functions.resolved(spec)
-    from tfdist import api
+    api = startup.load("api")   # TensorFlow and Keras, frozen (tfdist/startup.py)
     task = _task_index()
     for index, run in enumerate(spec["runs"]):
         config = tfdist_flags.run_config_of(run)
