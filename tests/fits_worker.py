@@ -50,5 +50,6 @@ def main(out_dir, model_dir, strategy, mesh, stage, width, depth, steps, snapsho
 
 
 if __name__ == "__main__":
-    from tfdist import app
+    from tfdist import app, startup
+    startup.load("api")   # as tfdist's own processes load TensorFlow (frozen)
     app.run(lambda argv: main(*argv[1:]))

@@ -56,5 +56,6 @@ def main(jobs):
 
 
 if __name__ == "__main__":
-    from tfdist import app
+    from tfdist import app, startup
+    startup.load("api")   # as tfdist's own processes load TensorFlow (frozen)
     app.run(lambda argv: main(*argv[1:]))
