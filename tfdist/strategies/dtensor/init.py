@@ -80,18 +80,27 @@ def _finish(kind: str, rnd, dtype, kwargs):
     return tf.add(rnd * stddev, mean)
 
 
-def _draw_range(kind: str, seed, dtype, start: int, length: int, grouping):
+def _philox(seed):
+    """The Philox key, counter and algorithm of a stateless draw from `seed`,
+    the counter as two Python ints: a block's runs each advance it on the host,
+    not with a chain of eager ops per run (the shards of a column-sharded
+    matrix are one run per row)."""
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    return key, [int(c) for c in counter.numpy()], tf.raw_ops.StatelessRandomGetAlg()
+
+
+def _draw_range(kind: str, philox, dtype, start: int, length: int, grouping):
     """Elements [start, start + length) of the flat whole draw."""
     per, counters = grouping
-    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-    alg = tf.raw_ops.StatelessRandomGetAlg()
+    key, (low, high), alg = philox
     group, skip = divmod(start, per)
-    advanced = counter + tf.constant([group * counters, 0], counter.dtype)
-    tf.debugging.assert_greater_equal(advanced[0], counter[0],
-                                      message="Philox counter overflow")
+    advanced = low + group * counters
+    if advanced >= 1 << 64:
+        raise tf.errors.InvalidArgumentError(None, None, "Philox counter overflow")
     count = -(-(skip + length) // per) * per
-    rnd = _RAW[kind](shape=[count], key=key, counter=advanced, alg=alg, dtype=dtype)
-    return rnd[skip:skip + length]
+    rnd = _RAW[kind](shape=[count], key=key, counter=tf.constant([advanced, high], tf.uint64),
+                     alg=alg, dtype=dtype)
+    return tf.slice(rnd, [skip], [length])
 
 
 def _draw_block(kind: str, seed, dtype, shape, offsets, sizes, grouping, kwargs):
@@ -99,7 +108,7 @@ def _draw_block(kind: str, seed, dtype, shape, offsets, sizes, grouping, kwargs)
     it would take more than `MAX_RUNS` runs."""
     split = [d for d in range(len(shape)) if sizes[d] < shape[d]]
     if not split:
-        flat = _draw_range(kind, seed, dtype, 0, math.prod(shape), grouping)
+        flat = _draw_range(kind, _philox(seed), dtype, 0, math.prod(shape), grouping)
         return _finish(kind, tf.reshape(flat, shape), dtype, kwargs)
     first = split[0]
     trailing = math.prod(shape[first + 1:])
@@ -107,7 +116,8 @@ def _draw_block(kind: str, seed, dtype, shape, offsets, sizes, grouping, kwargs)
     if runs > MAX_RUNS:
         return None
     run_length = sizes[first] * trailing
-    pieces = [_draw_range(kind, seed, dtype,
+    philox = _philox(seed)
+    pieces = [_draw_range(kind, philox, dtype,
                           (p * shape[first] + offsets[first]) * trailing, run_length, grouping)
               for p in range(runs)]
     rows = tf.reshape(tf.concat(pieces, 0), [*shape[:first], sizes[first], *shape[first + 1:]])
