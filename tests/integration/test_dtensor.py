@@ -11,9 +11,11 @@ import dataclasses
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from tfdist import models, sharding
+from tfdist.data.function_inputs import shard
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError
 
@@ -131,6 +133,34 @@ def test_dtensor_accumulation_matches_one_big_batch(references):
     initial, reference = references["mlp"]
     result = _train(_config("dtensor", CASES["mlp"][0], accum_steps=2), "mlp", initial)
     _assert_matches(result, reference, initial)
+
+
+WIDE_SPEC = dataclasses.replace(IMAGE_SPEC, input_shape=(32, 32, 3), train_examples=64)
+
+
+def _wide_dataset_fn(split, context):
+    rng = np.random.default_rng(0 if split == "train" else 1)
+    n = WIDE_SPEC.train_examples if split == "train" else WIDE_SPEC.eval_examples
+    x = rng.normal(size=(n, *WIDE_SPEC.input_shape)).astype(np.float32)
+    y = rng.integers(WIDE_SPEC.num_classes, size=n).astype(np.int32)
+    return shard(tf.data.Dataset.from_tensor_slices((x, y)), context)
+
+
+def test_eight_micro_batches_of_a_wide_model_match_one_device():
+    """The unrolled micro-batches' gradient sums of a wide model: grappler
+    folds them into one AddN, which its memory scheduling would rewrite with
+    the variables' global shapes (`compat.dtensor_without_grappler_memory_scheduling`;
+    without it this first step failed with "Parameters and update must be
+    the same size")."""
+    wide = tfdist.ModelConfig(name="mlp", width=1024, depth=2)
+    keras.utils.set_random_seed(1)
+    initial = models.build(wide, WIDE_SPEC).get_weights()
+    one = _fresh_run(_config("default", wide, steps=1), initial, wide, WIDE_SPEC,
+                     _wide_dataset_fn)
+    config = _config("dtensor", wide, mesh="batch:1,model:2", steps=1, accum_steps=8)
+    config = config.replace(strategy=dataclasses.replace(config.strategy, virtual_devices=2))
+    result = _fresh_run(config, initial, wide, WIDE_SPEC, _wide_dataset_fn)
+    _assert_matches(result, one, initial)
 
 
 @pytest.mark.parametrize("case,optimizer,model", [

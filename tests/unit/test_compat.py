@@ -1032,3 +1032,38 @@ def test_fuse_batchnorm_check_makes_no_variable_of_the_callers():
         assert seen == []
         keras_internals._probe_fused_batchnorm()
     assert seen
+
+
+# -- DTensor: grappler's memory scheduling --------------------------------------------
+
+def test_dtensor_without_grappler_memory_scheduling():
+    """Inside, a function's call carries a ConfigProto with grappler's memory
+    optimizer off (the rest of the config as it was); outside, the original
+    options again. The failure it prevents is reproduced by
+    tests/integration/test_dtensor.py::test_eight_micro_batches_of_a_wide_model_match_one_device."""
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.eager import context
+
+    def memory_optimization():
+        serialized = context.context().function_call_options.config_proto_serialized
+        return config_pb2.ConfigProto.FromString(serialized).graph_options.rewrite_options \
+            .memory_optimization
+
+    before = context.context().function_call_options
+    assert memory_optimization() != rewriter_config_pb2.RewriterConfig.NO_MEM_OPT   # the control
+    with compat.dtensor_without_grappler_memory_scheduling():
+        assert memory_optimization() == rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+        expected = config_pb2.ConfigProto.FromString(before.config_proto_serialized)
+        expected.graph_options.rewrite_options.memory_optimization = (
+            rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
+        assert config_pb2.ConfigProto.FromString(
+            context.context().function_call_options.config_proto_serialized) == expected
+    assert context.context().function_call_options is before
+
+
+def test_dtensor_without_grappler_memory_scheduling_check(monkeypatch):
+    from tensorflow.python.eager import context
+    monkeypatch.delattr(context.FunctionCallOptions, "config_proto_serialized")
+    with pytest.raises(compat.UpstreamChanged) as raised:
+        compat.dtensor_without_grappler_memory_scheduling()
+    assert_one_line_change(raised, "config_proto_serialized")

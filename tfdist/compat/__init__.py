@@ -42,6 +42,7 @@ from tfdist.compat._guard import VERIFIED, UpstreamChanged
 from tfdist.compat.dtensor_internals import (
     dtensor_dataset_one_client_per_replica,
     dtensor_fsdp_lowering,
+    dtensor_without_grappler_memory_scheduling,
 )
 from tfdist.compat.keras_internals import (
     KERAS_RANDOM_DRAWS,
@@ -105,7 +106,8 @@ __all__ = [
     "checkpoint_sharded_whole",
     "compiled_config", "coordination_key_value", "custom_gradients_on_tape",
     "defer_keras_matplotlib", "disable_optimizer_all_reduce", "fuse_batchnorm",
-    "dtensor_dataset_one_client_per_replica", "dtensor_fsdp_lowering", "functional_graph",
+    "dtensor_dataset_one_client_per_replica", "dtensor_fsdp_lowering",
+    "dtensor_without_grappler_memory_scheduling", "functional_graph",
     "gradient_overridden", "graph_custom_gradient", "graph_function", "is_sharded",
     "keras_initializer_of", "keras_mask", "keras_name_scopes_restored", "keras_metric",
     "keras_random_draws", "keras_seed_tensor", "keras_variable_of", "learning_rate_times",

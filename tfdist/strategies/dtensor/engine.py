@@ -281,7 +281,10 @@ class DTensorStrategy(VariableCreation, LayoutReport, Strategy, TensorSharding, 
             args = [_lay_out(a, dtensor.Layout.replicated(self.mesh, a.shape.rank))
                     if isinstance(a, tf.Tensor) and not dtensor.is_dtensor(a) else a
                     for a in args]
-            with dtensor.default_mesh(self.mesh):
+            # Grappler's memory scheduling sizes what it rewrites by the
+            # global shapes, not the shards (compat's docstring).
+            with dtensor.default_mesh(self.mesh), \
+                    compat.dtensor_without_grappler_memory_scheduling():
                 self._refuse_unlowerable(compiled, args, scanned)
                 result = compiled(*args)
             return tf.nest.map_structure(self.to_host, result)
