@@ -14,12 +14,13 @@ IMAGE_SPEC = DatasetSpec(name="random_images", kind="image", input_shape=(8, 8, 
 PROBE = np.random.default_rng(7).normal(size=(16, *IMAGE_SPEC.input_shape)).astype(np.float32)
 
 
-def image_dataset_fn(split, context):
-    """Fixed random images and labels; the same stream under every strategy."""
+def image_dataset_fn(split, context, spec=IMAGE_SPEC):
+    """Fixed random images and labels of `spec`; the same stream under every
+    strategy."""
     rng = np.random.default_rng(0 if split == "train" else 1)
-    n = IMAGE_SPEC.train_examples if split == "train" else IMAGE_SPEC.eval_examples
-    x = rng.normal(size=(n, *IMAGE_SPEC.input_shape)).astype(np.float32)
-    y = rng.integers(IMAGE_SPEC.num_classes, size=n).astype(np.int32)
+    n = spec.train_examples if split == "train" else spec.eval_examples
+    x = rng.normal(size=(n, *spec.input_shape)).astype(np.float32)
+    y = rng.integers(spec.num_classes, size=n).astype(np.int32)
     return shard(tf.data.Dataset.from_tensor_slices((x, y)), context)
 
 

@@ -11,11 +11,9 @@ import dataclasses
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfdist
 from tfdist import models, sharding
-from tfdist.data.function_inputs import shard
 from tfdist.data.spec import DatasetSpec
 from tfdist.errors import UsageError
 
@@ -139,11 +137,7 @@ WIDE_SPEC = dataclasses.replace(IMAGE_SPEC, input_shape=(32, 32, 3), train_examp
 
 
 def _wide_dataset_fn(split, context):
-    rng = np.random.default_rng(0 if split == "train" else 1)
-    n = WIDE_SPEC.train_examples if split == "train" else WIDE_SPEC.eval_examples
-    x = rng.normal(size=(n, *WIDE_SPEC.input_shape)).astype(np.float32)
-    y = rng.integers(WIDE_SPEC.num_classes, size=n).astype(np.int32)
-    return shard(tf.data.Dataset.from_tensor_slices((x, y)), context)
+    return image_dataset_fn(split, context, spec=WIDE_SPEC)
 
 
 def test_eight_micro_batches_of_a_wide_model_match_one_device():

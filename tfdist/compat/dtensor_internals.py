@@ -91,6 +91,11 @@ def dtensor_fsdp_lowering(mesh_axes: dict, stage: int) -> None:
 
 # -- DTensor: grappler's memory scheduling on SPMD-expanded programs ------------
 
+# (executor type, serialized ConfigProto) of a thread's function call options ->
+# the same options with grappler's memory optimizer off.
+_WITHOUT_MEMORY_SCHEDULING: dict = {}
+_CALL_OPTIONS = "tensorflow Context.function_call_options"
+
 def dtensor_without_grappler_memory_scheduling():
     """A context in which the programs called (and first optimized) run without
     grappler's memory optimizer, for DTensor's step programs.
@@ -117,20 +122,11 @@ def dtensor_without_grappler_memory_scheduling():
     """
     import contextlib
 
-    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
     from tensorflow.python.eager import context
 
-    what = "tensorflow Context.function_call_options"
     ctx = context.context()
-    previous = _require(ctx, "function_call_options", what)
-    serialized = _require(previous, "config_proto_serialized", f"{what}.config_proto_serialized")
-    executor = _require(previous, "executor_type", f"{what}.executor_type")
-    if not isinstance(serialized, bytes):
-        raise _changed(f"{what}.config_proto_serialized", "is not a serialized ConfigProto")
-    config = config_pb2.ConfigProto.FromString(serialized)
-    config.graph_options.rewrite_options.memory_optimization = (
-        rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
-    options = type(previous)(executor_type=executor, config_proto=config)
+    previous = _require(ctx, "function_call_options", _CALL_OPTIONS)
+    options = _without_memory_scheduling(previous)
 
     @contextlib.contextmanager
     def scope():
@@ -141,3 +137,24 @@ def dtensor_without_grappler_memory_scheduling():
             ctx.function_call_options = previous
 
     return scope()
+
+
+def _without_memory_scheduling(previous):
+    """`previous` (a thread's function call options) with grappler's memory
+    optimizer off; made once per distinct options, not per call."""
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+
+    serialized = _require(previous, "config_proto_serialized",
+                          f"{_CALL_OPTIONS}.config_proto_serialized")
+    executor = _require(previous, "executor_type", f"{_CALL_OPTIONS}.executor_type")
+    if not isinstance(serialized, bytes):
+        raise _changed(f"{_CALL_OPTIONS}.config_proto_serialized",
+                       "is not a serialized ConfigProto")
+    key = (executor, serialized)
+    if key not in _WITHOUT_MEMORY_SCHEDULING:
+        config = config_pb2.ConfigProto.FromString(serialized)
+        config.graph_options.rewrite_options.memory_optimization = (
+            rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
+        _WITHOUT_MEMORY_SCHEDULING[key] = type(previous)(executor_type=executor,
+                                                        config_proto=config)
+    return _WITHOUT_MEMORY_SCHEDULING[key]
